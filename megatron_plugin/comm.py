@@ -1,0 +1,30 @@
+"""Collectives mcore only offers on CUDA (its gathers allocate on `torch.cuda.current_device()`)."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+class _GatherLastDim(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+
+
+def gather_tensor_parallel_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """Concatenate the TP ranks' slices of the last dimension (e.g. vocab-parallel logits), on any
+    device; the backward hands each rank its own slice of the gradient."""
+    group = parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return x
+    return _GatherLastDim.apply(x, group)

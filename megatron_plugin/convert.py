@@ -1,0 +1,120 @@
+"""Move weights between an HF model and the Megatron-Core model of this rank."""
+
+from __future__ import annotations
+
+import re
+from typing import Callable, Dict, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from .errors import MegatronPluginConfigError
+from .models import ModelFamily
+from .models.gpt import padded_vocab_size
+from .models.mapping import Dims, StagePlan, hf_to_mcore, mcore_to_hf
+
+# HF tensors that are not weights (buffers some transformers versions keep in state dicts)
+_IGNORED_HF = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
+
+
+def model_dims(family: ModelFamily, hf_config, divisible_by: int, tp: int) -> Dims:
+    return family.dims(hf_config, padded_vocab_size(hf_config.vocab_size, divisible_by, tp))
+
+
+def _mcore_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    # TE modules add `_extra_state` entries (fp8 metadata); they are not weights.
+    return {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+
+
+def normalize_hf_state_dict(hf_state: Dict[str, torch.Tensor], family: ModelFamily, lm_head: bool):
+    """Name HF tensors as in the LM-head model (a base model's `wte.weight` -> `transformer.wte.weight`)."""
+    if lm_head:
+        return hf_state
+    return {family.base_prefix + k: v for k, v in hf_state.items()}
+
+
+@torch.no_grad()
+def load_hf_into_mcore(
+    model: torch.nn.Module,
+    get_hf: Callable[[str], torch.Tensor],
+    hf_names,
+    family: ModelFamily,
+    hf_config,
+    plan: StagePlan,
+    dims: Dims,
+    *,
+    lm_head: bool,
+    tp_size: int,
+    tp_rank: int,
+) -> None:
+    """Fill every parameter of `model` (one TP/PP rank) from HF tensors. Raises if any Megatron
+    parameter stays unfilled or any HF weight is left unused, so a mapping gap can't pass silently."""
+    target = _mcore_state(model)
+    rules = family.rules(hf_config, family.tied_embeddings(hf_config), lm_head)
+    filled, used = set(), set()
+
+    def get_and_track(name):
+        used.add(name)
+        return get_hf(name)
+
+    for name, tensor in hf_to_mcore(get_and_track, rules, dims, plan, tp_size, tp_rank):
+        if name not in target:
+            raise KeyError(f"mapping names Megatron tensor {name!r}, which the model does not have")
+        dest = target[name]
+        if dest.shape != tensor.shape:
+            raise ValueError(f"{name}: Megatron shape {tuple(dest.shape)} but converted HF shape {tuple(tensor.shape)}")
+        dest.copy_(tensor)
+        filled.add(name)
+    missing = sorted(set(target) - filled)
+    if missing:
+        raise KeyError(f"Megatron tensors not filled from the HF checkpoint: {missing}")
+    stage_layers = set(range(plan.layer_offset, plan.layer_offset + plan.num_layers))
+    unused = sorted(
+        n for n in hf_names
+        if n not in used and not _IGNORED_HF.search(n) and _belongs_to_stage(n, stage_layers, plan, rules)
+    )
+    if unused:
+        raise KeyError(f"HF tensors the {family.name} mapping does not use: {unused}")
+
+
+def _belongs_to_stage(name: str, stage_layers, plan: StagePlan, rules) -> bool:
+    # An HF tensor of another pipeline stage is someone else's to load.
+    m = re.search(r"\.(\d+)\.", name)
+    if m:
+        return int(m.group(1)) in stage_layers
+    # tied lm_head.weight shares storage with the embeddings: nothing to load
+    if name == "lm_head.weight" and not any("lm_head.weight" in r.hf for r in rules):
+        return False
+    return True
+
+
+@torch.no_grad()
+def gather_hf_state_dict(
+    model: torch.nn.Module,
+    family: ModelFamily,
+    hf_config,
+    plan: StagePlan,
+    dims: Dims,
+    *,
+    lm_head: bool,
+    grads: bool = False,
+    group: Optional[dist.ProcessGroup] = None,
+) -> Dict[str, torch.Tensor]:
+    """All-gather this stage's TP shards and return the HF tensors of the stage (names as in the
+    LM-head model; strip `family.base_prefix` for a base model). With `grads`, the same for the
+    parameters' gradients. Call on every rank of the TP group."""
+    group = group or parallel_state.get_tensor_model_parallel_group()
+    tp = dist.get_world_size(group)
+    local = _mcore_state(model)
+    rules = family.rules(hf_config, family.tied_embeddings(hf_config), lm_head)
+
+    def shards(name, rule):
+        mine = (local[name].grad if grads else local[name]).detach().contiguous()
+        if tp == 1 or rule.tp_dim is None:
+            return [mine]
+        parts = [torch.empty_like(mine) for _ in range(tp)]
+        dist.all_gather(parts, mine, group=group)
+        return parts
+
+    return dict(mcore_to_hf(shards, rules, dims, plan))

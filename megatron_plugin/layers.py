@@ -1,0 +1,130 @@
+"""Modules we put into Megatron-Core's layer spec in place of its CUDA-bound or TE/apex-bound ones.
+
+- `SDPAttention`: core attention on `torch.nn.functional.scaled_dot_product_attention`. It picks flash /
+  memory-efficient kernels on GPU and runs on CPU, where mcore's `DotProductAttention` needs a CUDA
+  memory buffer and the CUDA RNG tracker.
+- `Norm`: LayerNorm / RMSNorm that works with sequence parallelism. mcore's `WrappedTorchNorm` refuses
+  SP when TE and apex are absent; the only thing SP needs from a norm is that its parameters carry
+  `sequence_parallel=True`, so that their gradients (computed on a sequence shard) are all-reduced over
+  the TP group by mcore's `finalize_model_grads` (or by our CPU engine).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core import tensor_parallel
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import divide
+
+
+def _rng_context(config: TransformerConfig):
+    # Heads differ across TP ranks, so attention dropout must draw from the model-parallel stream
+    # (mcore's CUDA RNG tracker). On CPU there is no such tracker; the default generator is used.
+    if torch.cuda.is_available() and not config.sequence_parallel:
+        tracker = tensor_parallel.get_cuda_rng_tracker()
+        if tracker.is_initialized():
+            return tracker.fork()
+    return contextlib.nullcontext()
+
+
+class SDPAttention(MegatronModule):
+    """Drop-in for mcore's DotProductAttention: [s, b, heads, dim] in, [s, b, heads * dim] out.
+
+    `attention_mask` follows Megatron's convention: a bool tensor broadcastable to [b, 1, sq, sk]
+    where True means *masked out*. With no mask and a causal layer, SDPA's own causal path is used.
+    Grouped-query attention (fewer key/value heads than query heads) is handled by SDPA's `enable_gqa`.
+    """
+
+    def __init__(
+        self,
+        config: TransformerConfig,
+        layer_number: int,
+        attn_mask_type: AttnMaskType,
+        attention_type: str,
+        attention_dropout: Optional[float] = None,
+        softmax_scale: Optional[float] = None,
+        cp_comm_type: Optional[str] = None,
+        pg_collection=None,
+    ):
+        super().__init__(config=config)
+        if config.context_parallel_size != 1:
+            raise NotImplementedError("SDPAttention does not implement context parallelism yet")
+        tp = config.tensor_model_parallel_size
+        self.attn_mask_type = attn_mask_type
+        self.heads = divide(config.num_attention_heads, tp)
+        self.groups = divide(config.num_query_groups, tp)
+        self.head_dim = config.kv_channels
+        self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
+        self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params=None,
+    ) -> torch.Tensor:
+        if packed_seq_params is not None:
+            raise NotImplementedError("packed sequences need Transformer Engine's attention")
+        mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
+        sq, b = query.shape[0], query.shape[1]
+        # [s, b, n, d] -> [b, n, s, d]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        attn_mask = None
+        is_causal = False
+        if attention_bias is not None:
+            attn_mask = attention_bias.to(q.dtype)
+            if attention_mask is not None:
+                attn_mask = attn_mask.masked_fill(attention_mask, float("-inf"))
+        elif attention_mask is not None:
+            attn_mask = ~attention_mask
+        else:
+            # A single new query during decoding attends to every cached key: not causal.
+            is_causal = mask_type == AttnMaskType.causal and sq == key.shape[0]
+        with _rng_context(self.config):
+            out = F.scaled_dot_product_attention(
+                q, k, v,
+                attn_mask=attn_mask,
+                dropout_p=self.dropout_p if self.training else 0.0,
+                is_causal=is_causal,
+                scale=self.softmax_scale,
+                enable_gqa=self.groups != self.heads,
+            )
+        return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+
+
+class Norm:
+    """LayerNorm or RMSNorm (by `config.normalization`) whose parameters are marked for sequence
+    parallelism. Same constructor as mcore's norms, so it fits any slot of a layer spec."""
+
+    def __new__(
+        cls,
+        config: TransformerConfig,
+        hidden_size: int,
+        eps: float = 1e-5,
+        persist_layer_norm: bool = False,
+        zero_centered_gamma: bool = False,
+        normalization: str = "LayerNorm",
+    ):
+        if config.layernorm_zero_centered_gamma:
+            raise NotImplementedError("zero-centered gamma is not implemented by the plugin's Norm")
+        device = None if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
+        kwargs = dict(eps=eps, device=device, dtype=config.params_dtype)
+        if config.normalization == "LayerNorm":
+            norm = torch.nn.LayerNorm(hidden_size, **kwargs)
+        elif config.normalization == "RMSNorm":
+            norm = torch.nn.RMSNorm(hidden_size, **kwargs)
+        else:
+            raise NotImplementedError(f"normalization={config.normalization!r} is not implemented")
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm

@@ -1,0 +1,91 @@
+"""`MegatronModel`: an HF model's Megatron-Core twin on this rank, with HF-style inputs and outputs."""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+import torch
+from megatron.core import parallel_state
+
+from .comm import gather_tensor_parallel_last_dim
+from .convert import gather_hf_state_dict, load_hf_into_mcore, model_dims, normalize_hf_state_dict
+from .distributed import current_layout
+from .models import get_family
+from .models.gpt import build_model, build_transformer_config
+from .models.mapping import StagePlan
+from .plugin import MegatronLMPlugin
+from .spec import default_backend
+
+
+def attention_mask_4d(attention_mask: Optional[torch.Tensor], seq_len: int) -> Optional[torch.Tensor]:
+    """HF padding mask [b, s] (1 = token) -> Megatron mask [b, 1, s, s] (True = masked): causal and
+    no attention to padding keys. A padding query may always see itself, so no softmax row is empty.
+    None when there is no padding, which lets SDPA use its causal kernels."""
+    if attention_mask is None or bool(attention_mask.all()):
+        return None
+    keep = attention_mask.bool()
+    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=keep.device).tril()
+    allowed = causal[None] & keep[:, None, :]
+    allowed |= torch.eye(seq_len, dtype=torch.bool, device=keep.device)[None]
+    return ~allowed[:, None]
+
+
+class MegatronModel(torch.nn.Module):
+    """Holds the Megatron-Core module of this rank and knows how it maps to the HF model."""
+
+    def __init__(self, hf_config, plugin: MegatronLMPlugin, *, lm_head: bool = True,
+                 params_dtype: torch.dtype = torch.float32, backend: Optional[str] = None):
+        super().__init__()
+        layout = current_layout()
+        self.hf_config, self.plugin, self.lm_head = hf_config, plugin, lm_head
+        self.family = get_family(hf_config)
+        self.config = build_transformer_config(
+            self.family, hf_config, plugin, params_dtype=params_dtype, device_type=layout.device.type
+        )
+        self.plan = StagePlan.for_rank(self.config.num_layers, layout.pp_size, layout.pp_rank)
+        self.dims = model_dims(self.family, hf_config, plugin.make_vocab_size_divisible_by, layout.tp_size)
+        self.backend = default_backend(layout.device.type, backend)
+        self.module = build_model(self.family, hf_config, self.config, plugin, self.plan, lm_head=lm_head, backend=self.backend)
+        if layout.device.type == "cuda":
+            self.module.cuda(layout.device)
+
+    @classmethod
+    def from_hf(cls, hf_model: torch.nn.Module, plugin: MegatronLMPlugin, **kwargs) -> "MegatronModel":
+        lm_head = hasattr(hf_model, "lm_head")
+        model = cls(hf_model.config, plugin, lm_head=lm_head, **kwargs)
+        model.load_hf_state_dict(hf_model.state_dict())
+        return model
+
+    def load_hf_state_dict(self, hf_state: Dict[str, torch.Tensor]) -> None:
+        hf_state = normalize_hf_state_dict(hf_state, self.family, self.lm_head)
+        load_hf_into_mcore(
+            self.module, hf_state.__getitem__, hf_state.keys(), self.family, self.hf_config, self.plan, self.dims,
+            lm_head=self.lm_head, tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+        )
+
+    def hf_state_dict(self, grads: bool = False) -> Dict[str, torch.Tensor]:
+        """This pipeline stage's weights (or their gradients) as full HF tensors, named as in the HF
+        model we came from. Collective over the TP group."""
+        out = gather_hf_state_dict(
+            self.module, self.family, self.hf_config, self.plan, self.dims, lm_head=self.lm_head, grads=grads
+        )
+        if not self.lm_head:
+            out = {k[len(self.family.base_prefix):]: v for k, v in out.items()}
+        return out
+
+    def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None):
+        """One stage's forward with HF inputs ([b, s] ids and padding mask). With labels (already
+        shifted, -100 = ignore) returns per-token losses [b, s]; else logits gathered over TP and cut to
+        the true vocabulary (or hidden states for a base model)."""
+        b, s = input_ids.shape
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+        mask = attention_mask_4d(attention_mask, s)
+        if labels is not None:
+            safe = labels.masked_fill(labels < 0, 0)
+            return self.module(input_ids, position_ids, mask, labels=safe)
+        out = self.module(input_ids, position_ids, mask)
+        if self.plan.last and self.lm_head:
+            out = gather_tensor_parallel_last_dim(out)[..., : self.hf_config.vocab_size]
+        return out

@@ -1,0 +1,38 @@
+"""Model families the plugin converts, looked up by HF `config.model_type`."""
+
+from ..errors import MegatronPluginConfigError
+from .family import ModelFamily
+from .gpt2 import GPT2
+
+FAMILIES = {t: fam for fam in (GPT2,) for t in fam.model_types}
+
+
+def get_family(hf_config) -> ModelFamily:
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in FAMILIES:
+        raise MegatronPluginConfigError(
+            "model_type", model_type, f"supported model types are {sorted(FAMILIES)}; convert another model first"
+        )
+    return FAMILIES[model_type]
+
+
+def check_model(plugin, hf_config) -> ModelFamily:
+    """Raise a clear error when the model can't be laid out as the plugin asks. No collectives."""
+    family = get_family(hf_config)
+    tc = family.transformer_config(hf_config)
+    tp = plugin.tp_degree
+    heads = tc["num_attention_heads"]
+    groups = tc.get("num_query_groups") or heads
+    if heads % tp:
+        raise MegatronPluginConfigError(
+            "tp_degree", tp, f"the model's {heads} attention heads must split evenly over TP ranks: use a divisor of {heads}"
+        )
+    if groups % tp:
+        raise MegatronPluginConfigError(
+            "tp_degree", tp, f"the model's {groups} key/value heads must split evenly over TP ranks: use a divisor of {groups}"
+        )
+    plugin.validate(num_layers=tc["num_layers"])
+    return family
+
+
+__all__ = ["FAMILIES", "ModelFamily", "check_model", "get_family"]

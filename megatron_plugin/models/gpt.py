@@ -1,0 +1,132 @@
+"""Megatron-Core's GPTModel built from an HF config, with the two things HF parity needs."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.models.gpt import GPTModel
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..errors import MegatronPluginConfigError
+from ..plugin import MegatronLMPlugin
+from ..spec import block_spec
+from .family import ModelFamily
+from .mapping import StagePlan
+
+
+def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
+    multiple = divisible_by * tp
+    return -(-vocab // multiple) * multiple
+
+
+class MegatronGPT(GPTModel):
+    """GPTModel that (1) keeps padded vocabulary rows out of the softmax, so the loss equals HF's, and
+    (2) can stop at the final norm, for HF base models (`GPT2Model`) that have no LM head."""
+
+    def __init__(self, *args, true_vocab_size: int, lm_head: bool = True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.true_vocab_size = true_vocab_size
+        self.lm_head = lm_head
+
+    def mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
+        """Set the logits of padding rows of the vocabulary (this rank's slice) to -inf."""
+        local = logits.shape[-1]
+        start = parallel_state.get_tensor_model_parallel_rank() * local
+        if start + local <= self.true_vocab_size:
+            return logits
+        ids = torch.arange(start, start + local, device=logits.device)
+        return logits.masked_fill(ids >= self.true_vocab_size, float("-inf"))
+
+    def compute_language_model_loss(self, labels, logits):
+        return super().compute_language_model_loss(labels, self.mask_padded_vocab(logits))
+
+    def _postprocess(self, hidden_states, **kwargs):
+        if self.post_process and not self.lm_head:
+            if self.config.sequence_parallel:
+                hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+            return hidden_states.transpose(0, 1).contiguous()
+        return super()._postprocess(hidden_states, **kwargs)
+
+
+# other_megatron_args keys that are not TransformerConfig fields but that we know what to do with
+NON_CONFIG_ARGS = {"vocab_file", "merge_file", "tokenizer_path"}
+
+
+def transformer_config_overrides(other_megatron_args: dict) -> dict:
+    known = {f.name for f in dataclasses.fields(TransformerConfig)}
+    unknown = set(other_megatron_args) - known - NON_CONFIG_ARGS
+    if unknown:
+        raise MegatronPluginConfigError(
+            "other_megatron_args", sorted(unknown),
+            "keys must be megatron.core TransformerConfig fields (e.g. 'attention_dropout') or one of "
+            f"{sorted(NON_CONFIG_ARGS)}",
+        )
+    return {k: v for k, v in other_megatron_args.items() if k in known}
+
+
+def build_transformer_config(
+    family: ModelFamily,
+    hf_config,
+    plugin: MegatronLMPlugin,
+    *,
+    params_dtype: torch.dtype = torch.float32,
+    device_type: str = "cpu",
+    overrides: Optional[dict] = None,
+) -> TransformerConfig:
+    fields = family.transformer_config(hf_config)
+    on_gpu = device_type == "cuda"
+    fields.update(
+        tensor_model_parallel_size=plugin.tp_degree,
+        pipeline_model_parallel_size=plugin.pp_degree,
+        sequence_parallel=plugin.sequence_parallelism,
+        params_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # Weights come from the HF checkpoint: allocate, don't initialize.
+        use_cpu_initialization=not on_gpu,
+        perform_initialization=False,
+        # Fusions that need CUDA / apex kernels stay off; TE's own are chosen through the spec.
+        bias_activation_fusion=False,
+        masked_softmax_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        apply_rope_fusion=False,
+        bias_dropout_fusion=on_gpu,
+        recompute_granularity=plugin.recompute_granularity,
+    )
+    if plugin.recompute_granularity == "full":
+        fields.update(recompute_method=plugin.recompute_method, recompute_num_layers=plugin.recompute_num_layers)
+    fields.update(transformer_config_overrides(plugin.other_megatron_args))
+    fields.update(overrides or {})
+    return TransformerConfig(**fields)
+
+
+def build_model(
+    family: ModelFamily,
+    hf_config,
+    config: TransformerConfig,
+    plugin: MegatronLMPlugin,
+    plan: StagePlan,
+    *,
+    lm_head: bool = True,
+    backend: str = "local",
+    vp_stage: Optional[int] = None,
+) -> MegatronGPT:
+    tied = family.tied_embeddings(hf_config) or not lm_head
+    return MegatronGPT(
+        config=config,
+        transformer_layer_spec=block_spec(config, plan.num_layers, backend),
+        vocab_size=padded_vocab_size(hf_config.vocab_size, plugin.make_vocab_size_divisible_by, plugin.tp_degree),
+        max_sequence_length=family.max_positions(hf_config),
+        pre_process=plan.first,
+        post_process=plan.last,
+        share_embeddings_and_output_weights=tied,
+        true_vocab_size=hf_config.vocab_size,
+        lm_head=lm_head,
+        vp_stage=vp_stage,
+        **family.model_kwargs(hf_config),
+    )

@@ -1,0 +1,188 @@
+"""HF <-> Megatron-Core parameter mapping, driven by tables of `Rule`s.
+
+A model family lists, as data, which HF tensor(s) become which Megatron tensor, by which exact
+transform, and along which dimension Megatron splits it over tensor-parallel ranks. The functions here
+apply any such table: HF full tensors -> this rank's shards, and all ranks' shards -> HF full tensors.
+Every transform is a pure re-arrangement (transpose, reshape, concatenation, zero padding), so a round
+trip is bit-exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+
+
+@dataclass(frozen=True)
+class Dims:
+    """The sizes transforms need."""
+
+    hidden: int
+    heads: int
+    groups: int
+    head_dim: int
+    vocab: int
+    padded_vocab: int
+
+
+@dataclass(frozen=True)
+class Transform:
+    """`to_mcore(hf_tensors, dims) -> tensor` and its inverse `to_hf(tensor, dims) -> hf_tensors`."""
+
+    to_mcore: Callable[[Sequence[torch.Tensor], Dims], torch.Tensor]
+    to_hf: Callable[[torch.Tensor, Dims], List[torch.Tensor]]
+
+
+def _qkv_to_mcore(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, d: Dims) -> torch.Tensor:
+    # Megatron's fused QKV rows are grouped by key/value head: [q of the group's heads, k, v] per group,
+    # so that a contiguous TP split gives each rank whole groups.
+    rest = q.shape[1:]
+    per_group = d.heads // d.groups
+    q = q.reshape(d.groups, per_group * d.head_dim, *rest)
+    k = k.reshape(d.groups, d.head_dim, *rest)
+    v = v.reshape(d.groups, d.head_dim, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest).contiguous()
+
+
+def _qkv_to_hf(t: torch.Tensor, d: Dims) -> List[torch.Tensor]:
+    rest = t.shape[1:]
+    per_group = d.heads // d.groups
+    grouped = t.reshape(d.groups, (per_group + 2) * d.head_dim, *rest)
+    q, k, v = torch.split(grouped, [per_group * d.head_dim, d.head_dim, d.head_dim], dim=1)
+    return [x.reshape(-1, *rest).contiguous() for x in (q, k, v)]
+
+
+def _pad_vocab(t: torch.Tensor, d: Dims) -> torch.Tensor:
+    pad = t.new_zeros((d.padded_vocab - t.shape[0], *t.shape[1:]))
+    return torch.cat([t, pad], dim=0)
+
+
+TRANSFORMS: Dict[str, Transform] = {
+    "copy": Transform(lambda ts, d: ts[0], lambda t, d: [t]),
+    # HF's Conv1D stores [in, out]; Megatron's linears store [out, in].
+    "conv1d": Transform(lambda ts, d: ts[0].t().contiguous(), lambda t, d: [t.t().contiguous()]),
+    "vocab": Transform(lambda ts, d: _pad_vocab(ts[0], d), lambda t, d: [t[: d.vocab].contiguous()]),
+    # GPT-2's c_attn: one Conv1D producing [q | k | v].
+    "qkv_conv1d": Transform(
+        lambda ts, d: _qkv_to_mcore(*ts[0].t().reshape(3, -1, ts[0].shape[0]).unbind(0), d),
+        lambda t, d: [torch.cat(_qkv_to_hf(t, d), dim=0).t().contiguous()],
+    ),
+    "qkv_conv1d_bias": Transform(
+        lambda ts, d: _qkv_to_mcore(*ts[0].reshape(3, -1).unbind(0), d),
+        lambda t, d: [torch.cat(_qkv_to_hf(t, d), dim=0)],
+    ),
+    # Llama-style separate q/k/v projections (weights or biases).
+    "qkv_split": Transform(lambda ts, d: _qkv_to_mcore(*ts, d), _qkv_to_hf),
+    # Llama-style gate/up projections -> Megatron's fused fc1 of a gated MLP, split per TP rank below.
+    "gate_up": Transform(lambda ts, d: torch.cat(ts, dim=0), lambda t, d: list(torch.chunk(t, 2, dim=0))),
+}
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One Megatron tensor and where it comes from.
+
+    `hf` names may hold `{i}` (a global layer index; `mcore` then uses the stage-local index).
+    `tp_dim` is the Megatron dimension split over TP ranks (None: replicated).
+    `stage` is 'layer', 'first' (embeddings), 'last' (final norm, output layer) or 'tied_output' (the
+    last stage's copy of tied embeddings when it is not also the first stage: loaded, never exported).
+    `tp_interleave`: the tensor is a concatenation of this many equal parts, each split over TP on its
+    own (Megatron's fused gate/up fc1 of a gated MLP).
+    """
+
+    hf: Tuple[str, ...]
+    mcore: str
+    transform: str = "copy"
+    tp_dim: Optional[int] = None
+    stage: str = "layer"
+    tp_interleave: int = 1
+
+    def __post_init__(self):
+        if isinstance(self.hf, str):
+            object.__setattr__(self, "hf", (self.hf,))
+        if self.transform not in TRANSFORMS:
+            raise KeyError(f"unknown transform {self.transform!r}")
+        if self.stage not in ("layer", "first", "last", "tied_output"):
+            raise ValueError(f"stage={self.stage!r}")
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """Which layers and end pieces one pipeline stage holds."""
+
+    first: bool
+    last: bool
+    layer_offset: int
+    num_layers: int
+
+    @classmethod
+    def single(cls, num_layers: int) -> "StagePlan":
+        return cls(first=True, last=True, layer_offset=0, num_layers=num_layers)
+
+    @classmethod
+    def for_rank(cls, num_layers: int, pp_size: int, pp_rank: int) -> "StagePlan":
+        per = num_layers // pp_size
+        return cls(first=pp_rank == 0, last=pp_rank == pp_size - 1, layer_offset=pp_rank * per, num_layers=per)
+
+
+def expand(rules: Iterable[Rule], plan: StagePlan) -> Iterator[Tuple[Rule, Tuple[str, ...], str]]:
+    """(rule, concrete HF names, concrete Megatron name) for every tensor of the stage."""
+    for rule in rules:
+        if rule.stage == "layer":
+            for local in range(plan.num_layers):
+                i = plan.layer_offset + local
+                yield rule, tuple(n.format(i=i) for n in rule.hf), rule.mcore.format(i=local)
+        elif (
+            (rule.stage == "first" and plan.first)
+            or (rule.stage == "last" and plan.last)
+            or (rule.stage == "tied_output" and plan.last and not plan.first)
+        ):
+            yield rule, rule.hf, rule.mcore
+
+
+def shard(full: torch.Tensor, rule: Rule, tp_size: int, tp_rank: int) -> torch.Tensor:
+    if rule.tp_dim is None or tp_size == 1:
+        return full.contiguous()
+    parts = torch.chunk(full, rule.tp_interleave, dim=rule.tp_dim)
+    return torch.cat([torch.chunk(p, tp_size, dim=rule.tp_dim)[tp_rank] for p in parts], dim=rule.tp_dim).contiguous()
+
+
+def unshard(shards: Sequence[torch.Tensor], rule: Rule) -> torch.Tensor:
+    """Inverse of `shard` given every TP rank's piece in rank order."""
+    if rule.tp_dim is None or len(shards) == 1:
+        return shards[0]
+    split = [torch.chunk(s, rule.tp_interleave, dim=rule.tp_dim) for s in shards]
+    parts = [torch.cat([s[j] for s in split], dim=rule.tp_dim) for j in range(rule.tp_interleave)]
+    return torch.cat(parts, dim=rule.tp_dim)
+
+
+def hf_to_mcore(
+    get_hf: Callable[[str], torch.Tensor],
+    rules: Sequence[Rule],
+    dims: Dims,
+    plan: StagePlan,
+    tp_size: int = 1,
+    tp_rank: int = 0,
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield (Megatron name, this rank's tensor), reading HF tensors one rule at a time so that a
+    streaming caller holds at most one full tensor per rule."""
+    for rule, hf_names, mcore_name in expand(rules, plan):
+        full = TRANSFORMS[rule.transform].to_mcore([get_hf(n) for n in hf_names], dims)
+        yield mcore_name, shard(full, rule, tp_size, tp_rank)
+
+
+def mcore_to_hf(
+    get_shards: Callable[[str, Rule], Sequence[torch.Tensor]],
+    rules: Sequence[Rule],
+    dims: Dims,
+    plan: StagePlan,
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield (HF name, full tensor) from every TP rank's shards of each Megatron tensor."""
+    for rule, hf_names, mcore_name in expand(rules, plan):
+        if rule.stage == "tied_output":
+            continue
+        full = unshard(get_shards(mcore_name, rule), rule)
+        for name, tensor in zip(hf_names, TRANSFORMS[rule.transform].to_hf(full, dims)):
+            yield name, tensor

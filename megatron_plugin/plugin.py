@@ -1,0 +1,193 @@
+"""`MegatronLMPlugin`: the user's Megatron settings, in accelerate's plugin style.
+
+Unset fields read the `MEGATRON_LM_*` environment variables that `accelerate launch` writes, in
+`__post_init__` and nowhere else, so a script gets the same plugin whether the values came from code,
+from a YAML through `accelerate launch`, or from our own questionnaire.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .errors import MegatronPluginConfigError
+
+ENV_PREFIX = "MEGATRON_LM_"
+
+_TRUE = {"1", "true", "yes", "y", "on"}
+_FALSE = {"0", "false", "no", "n", "off", "none", ""}
+
+
+def parse_bool(setting: str, raw: str) -> bool:
+    text = str(raw).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise MegatronPluginConfigError(setting, raw, "use one of True/False, 1/0, yes/no")
+
+
+def parse_int(setting: str, raw: str) -> int:
+    try:
+        as_float = float(str(raw).strip())
+    except ValueError:
+        raise MegatronPluginConfigError(setting, raw, "use a whole number such as 1, 2 or 4") from None
+    if not as_float.is_integer():
+        raise MegatronPluginConfigError(setting, raw, "use a whole number such as 1, 2 or 4")
+    return int(as_float)
+
+
+def parse_float(setting: str, raw: str) -> float:
+    try:
+        return float(str(raw).strip())
+    except ValueError:
+        raise MegatronPluginConfigError(setting, raw, "use a number such as 1.0 (0 disables it)") from None
+
+
+_PARSERS = {bool: parse_bool, int: parse_int, float: parse_float}
+
+# field name -> (environment variable, type, default when neither code nor environment sets it)
+ENV_FIELDS = {
+    "tp_degree": ("TP_DEGREE", int, 1),
+    "pp_degree": ("PP_DEGREE", int, 1),
+    "num_micro_batches": ("NUM_MICRO_BATCHES", int, 1),
+    "gradient_clipping": ("GRADIENT_CLIPPING", float, 1.0),
+    "sequence_parallelism": ("SEQUENCE_PARALLELISM", bool, False),
+    "recompute_activations": ("RECOMPUTE_ACTIVATIONS", bool, False),
+    "use_distributed_optimizer": ("USE_DISTRIBUTED_OPTIMIZER", bool, False),
+}
+
+RECOMPUTE_GRANULARITIES = ("selective", "full")
+RECOMPUTE_METHODS = ("uniform", "block")
+
+
+@dataclass
+class MegatronLMPlugin:
+    """Megatron-Core parallelism for an accelerate script. Fields left as None are read from the
+    environment (`MEGATRON_LM_<NAME>`, as `accelerate launch` writes them), else take their default."""
+
+    tp_degree: Optional[int] = field(default=None, metadata={"help": "tensor parallel degree"})
+    pp_degree: Optional[int] = field(default=None, metadata={"help": "pipeline parallel degree"})
+    num_micro_batches: Optional[int] = field(
+        default=None, metadata={"help": "micro-batches per step; they play the role of gradient accumulation"}
+    )
+    gradient_clipping: Optional[float] = field(
+        default=None, metadata={"help": "clip gradients to this global L2 norm; 0 disables clipping"}
+    )
+    sequence_parallelism: Optional[bool] = field(
+        default=None, metadata={"help": "shard activations outside attention/MLP along the sequence (needs tp_degree > 1)"}
+    )
+    recompute_activations: Optional[bool] = field(
+        default=None, metadata={"help": "selective activation recomputation (core attention is recomputed)"}
+    )
+    recompute_granularity: Optional[str] = field(
+        default=None, metadata={"help": "'selective' or 'full'; overrides recompute_activations when set"}
+    )
+    recompute_method: str = field(default="uniform", metadata={"help": "'uniform' or 'block' for full recompute"})
+    recompute_num_layers: int = field(default=1, metadata={"help": "layers per recompute unit for full recompute"})
+    use_distributed_optimizer: Optional[bool] = field(
+        default=None, metadata={"help": "shard optimizer state and gradients across data-parallel ranks"}
+    )
+    num_layers_per_virtual_pipeline_stage: Optional[int] = field(
+        default=None, metadata={"help": "layers per virtual stage; setting it turns on the interleaved schedule"}
+    )
+    pipeline_model_parallel_split_rank: Optional[int] = field(
+        default=None, metadata={"help": "encoder/decoder split rank (T5); unused for GPT"}
+    )
+    seq_length: Optional[int] = field(default=None, metadata={"help": "sequence length; default: the model's positions"})
+    make_vocab_size_divisible_by: int = field(
+        default=128, metadata={"help": "pad the vocabulary to a multiple of this times tp_degree"}
+    )
+    return_logits: bool = field(default=False, metadata={"help": "return logits as well as the loss in eval"})
+    seed: int = field(default=1234, metadata={"help": "seed of torch and of Megatron's parallel RNG tracker"})
+    lr_decay_style: str = field(default="linear", metadata={"help": "'constant', 'linear' or 'cosine'"})
+    min_lr: float = field(default=0.0, metadata={"help": "the learning rate at the end of decay"})
+    lr_decay_iters: Optional[int] = field(default=None, metadata={"help": "decay steps; default: total_num_steps"})
+    eval_iters: int = field(default=100, metadata={"help": "eval batches, for scripts that loop on it"})
+    eval_interval: int = field(default=1000, metadata={"help": "steps between evals, for scripts that loop on it"})
+    custom_train_step_class: Optional[type] = field(
+        default=None, metadata={"help": "an AbstractTrainStep subclass to use instead of the model's default"}
+    )
+    custom_train_step_kwargs: dict = field(
+        default_factory=dict, metadata={"help": "keyword arguments passed to custom_train_step_class"}
+    )
+    custom_loss_function: Optional[Callable] = field(default=None, metadata={"help": "overrides the train step's loss"})
+    megatron_dataset_flag: bool = field(default=False, metadata={"help": "the dataloaders are Megatron indexed datasets"})
+    other_megatron_args: dict = field(
+        default_factory=dict, metadata={"help": "extra TransformerConfig fields, e.g. {'attention_dropout': 0.0}"}
+    )
+
+    def __post_init__(self):
+        for name, (env, kind, default) in ENV_FIELDS.items():
+            if getattr(self, name) is None:
+                raw = os.environ.get(ENV_PREFIX + env)
+                setattr(self, name, default if raw is None else _PARSERS[kind](ENV_PREFIX + env, raw))
+        if self.recompute_granularity is None:
+            raw = os.environ.get(ENV_PREFIX + "RECOMPUTE_GRANULARITY")
+            if raw:
+                self.recompute_granularity = raw.strip().lower()
+            elif self.recompute_activations:
+                self.recompute_granularity = "selective"
+        self.validate()
+
+    def validate(self, world_size: Optional[int] = None, num_layers: Optional[int] = None):
+        """Check the settings on their own and, when given, against the launch and the model."""
+        for name in ("tp_degree", "pp_degree", "num_micro_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise MegatronPluginConfigError(name, value, f"{name} must be a whole number >= 1")
+        if self.gradient_clipping is None or self.gradient_clipping < 0:
+            raise MegatronPluginConfigError(
+                "gradient_clipping", self.gradient_clipping, "use a norm > 0, or 0 to disable clipping"
+            )
+        if self.sequence_parallelism and self.tp_degree == 1:
+            raise MegatronPluginConfigError(
+                "sequence_parallelism", True, "sequence parallelism shards over TP ranks: set tp_degree > 1 or turn it off"
+            )
+        if self.recompute_granularity not in (None, *RECOMPUTE_GRANULARITIES):
+            raise MegatronPluginConfigError(
+                "recompute_granularity", self.recompute_granularity, f"use one of {RECOMPUTE_GRANULARITIES}"
+            )
+        if self.recompute_method not in RECOMPUTE_METHODS:
+            raise MegatronPluginConfigError("recompute_method", self.recompute_method, f"use one of {RECOMPUTE_METHODS}")
+        if self.make_vocab_size_divisible_by < 1:
+            raise MegatronPluginConfigError(
+                "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, "use a whole number >= 1, e.g. 128"
+            )
+        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+            raise MegatronPluginConfigError("lr_decay_style", self.lr_decay_style, "use 'constant', 'linear' or 'cosine'")
+        if world_size is not None:
+            model_parallel = self.tp_degree * self.pp_degree
+            if world_size % model_parallel:
+                raise MegatronPluginConfigError(
+                    "tp_degree*pp_degree",
+                    f"{self.tp_degree}*{self.pp_degree}={model_parallel}",
+                    f"the world size {world_size} must be a multiple of it: launch a multiple of "
+                    f"{model_parallel} processes, or lower tp_degree/pp_degree",
+                )
+        if num_layers is not None:
+            stages = self.pp_degree * (self.virtual_pipeline_stages(num_layers) or 1)
+            if self.pp_degree > num_layers or num_layers % stages:
+                raise MegatronPluginConfigError(
+                    "pp_degree", self.pp_degree,
+                    f"the model's {num_layers} layers must split evenly over {stages} pipeline stages: "
+                    "choose a pp_degree (times virtual stages) that divides the number of layers",
+                )
+        return self
+
+    def virtual_pipeline_stages(self, num_layers: int) -> Optional[int]:
+        n = self.num_layers_per_virtual_pipeline_stage
+        if n is None:
+            return None
+        per_stage = num_layers // self.pp_degree
+        if n < 1 or per_stage % n:
+            raise MegatronPluginConfigError(
+                "num_layers_per_virtual_pipeline_stage", n,
+                f"it must divide the {per_stage} layers of each pipeline stage",
+            )
+        return per_stage // n
+
+    def data_parallel_size(self, world_size: int) -> int:
+        self.validate(world_size=world_size)
+        return world_size // (self.tp_degree * self.pp_degree)

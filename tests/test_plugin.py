@@ -1,0 +1,125 @@
+"""MegatronLMPlugin: environment defaults as `accelerate launch` writes them, and clear bad-input errors."""
+
+import pytest
+
+from megatron_plugin import MegatronLMPlugin, MegatronPluginConfigError
+from megatron_plugin.distributed import initialize
+from tests.models import gpt2_config
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("MEGATRON_LM_"):
+            monkeypatch.delenv(key)
+    return monkeypatch
+
+
+def test_defaults_without_environment(clean_env):
+    p = MegatronLMPlugin()
+    assert (p.tp_degree, p.pp_degree, p.num_micro_batches) == (1, 1, 1)
+    assert p.gradient_clipping == 1.0
+    assert p.sequence_parallelism is False and p.recompute_activations is False
+    assert p.use_distributed_optimizer is False and p.recompute_granularity is None
+
+
+def test_environment_as_accelerate_launch_writes_it(clean_env):
+    env = {
+        "MEGATRON_LM_TP_DEGREE": "2", "MEGATRON_LM_PP_DEGREE": "1", "MEGATRON_LM_NUM_MICRO_BATCHES": "4",
+        "MEGATRON_LM_GRADIENT_CLIPPING": "0.5", "MEGATRON_LM_SEQUENCE_PARALLELISM": "True",
+        "MEGATRON_LM_RECOMPUTE_ACTIVATIONS": "true", "MEGATRON_LM_USE_DISTRIBUTED_OPTIMIZER": "False",
+    }
+    for k, v in env.items():
+        clean_env.setenv(k, v)
+    p = MegatronLMPlugin()
+    assert (p.tp_degree, p.pp_degree, p.num_micro_batches) == (2, 1, 4)
+    assert p.gradient_clipping == 0.5
+    assert p.sequence_parallelism is True and p.recompute_activations is True
+    assert p.use_distributed_optimizer is False
+    assert p.recompute_granularity == "selective"
+
+
+def test_code_wins_over_environment(clean_env):
+    clean_env.setenv("MEGATRON_LM_TP_DEGREE", "4")
+    assert MegatronLMPlugin(tp_degree=2).tp_degree == 2
+
+
+def test_float_looking_integers_are_accepted(clean_env):
+    clean_env.setenv("MEGATRON_LM_TP_DEGREE", "2.0")
+    assert MegatronLMPlugin().tp_degree == 2
+
+
+@pytest.mark.parametrize(
+    "var,value,setting",
+    [
+        ("MEGATRON_LM_TP_DEGREE", "two", "MEGATRON_LM_TP_DEGREE"),
+        ("MEGATRON_LM_TP_DEGREE", "1.5", "MEGATRON_LM_TP_DEGREE"),
+        ("MEGATRON_LM_SEQUENCE_PARALLELISM", "maybe", "MEGATRON_LM_SEQUENCE_PARALLELISM"),
+        ("MEGATRON_LM_GRADIENT_CLIPPING", "high", "MEGATRON_LM_GRADIENT_CLIPPING"),
+    ],
+)
+def test_unparsable_environment_names_the_variable(clean_env, var, value, setting):
+    clean_env.setenv(var, value)
+    with pytest.raises(MegatronPluginConfigError) as err:
+        MegatronLMPlugin()
+    assert err.value.setting == setting and err.value.value == value
+    assert setting in str(err.value) and repr(value) in str(err.value)
+
+
+@pytest.mark.parametrize("field", ["tp_degree", "pp_degree", "num_micro_batches"])
+@pytest.mark.parametrize("value", [0, -1])
+def test_degrees_below_one(clean_env, field, value):
+    with pytest.raises(MegatronPluginConfigError, match=f"{field}={value}"):
+        MegatronLMPlugin(**{field: value})
+
+
+def test_sequence_parallel_needs_tp(clean_env):
+    with pytest.raises(MegatronPluginConfigError, match="tp_degree > 1"):
+        MegatronLMPlugin(sequence_parallelism=True)
+
+
+def test_world_size_not_divisible_before_any_process_group(clean_env):
+    import torch.distributed as dist
+
+    clean_env.setenv("WORLD_SIZE", "3")
+    with pytest.raises(MegatronPluginConfigError, match="multiple of 2"):
+        initialize(MegatronLMPlugin(tp_degree=2), gpt2_config())
+    assert not dist.is_initialized()
+
+
+def test_heads_not_divisible_by_tp(clean_env):
+    import torch.distributed as dist
+
+    clean_env.setenv("WORLD_SIZE", "3")
+    with pytest.raises(MegatronPluginConfigError, match="4 attention heads") as err:
+        initialize(MegatronLMPlugin(tp_degree=3), gpt2_config())
+    assert err.value.setting == "tp_degree" and err.value.value == 3
+    assert not dist.is_initialized()
+
+
+def test_unsupported_model_type_lists_supported(clean_env):
+    from transformers import BertConfig
+
+    with pytest.raises(MegatronPluginConfigError, match=r"model_type='bert'.*\['gpt2'\]"):
+        initialize(MegatronLMPlugin(), BertConfig())
+
+
+def test_pipeline_must_split_layers(clean_env):
+    clean_env.setenv("WORLD_SIZE", "4")
+    with pytest.raises(MegatronPluginConfigError, match="2 layers must split evenly over 4"):
+        initialize(MegatronLMPlugin(pp_degree=4), gpt2_config())
+
+
+def test_unknown_other_megatron_args():
+    from megatron_plugin.models.gpt import transformer_config_overrides
+
+    assert transformer_config_overrides({"attention_dropout": 0.0, "vocab_file": "v"}) == {"attention_dropout": 0.0}
+    with pytest.raises(MegatronPluginConfigError, match="other_megatron_args"):
+        transformer_config_overrides({"no_such_field": 1})
+
+
+def test_unsupported_activation(clean_env):
+    with pytest.raises(MegatronPluginConfigError, match="activation_function='silu'"):
+        initialize(MegatronLMPlugin(), gpt2_config(activation_function="silu"))
