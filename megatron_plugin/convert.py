@@ -118,3 +118,16 @@ def gather_hf_state_dict(
         return parts
 
     return dict(mcore_to_hf(shards, rules, dims, plan))
+
+
+def mcore_to_hf_names(family: ModelFamily, hf_config, plan: StagePlan, lm_head: bool) -> Dict[str, str]:
+    """Megatron parameter name -> the (first) HF parameter it is made from, named as in the HF model
+    the user passed (base models without `family.base_prefix`)."""
+    from .models.mapping import expand
+
+    rules = family.rules(hf_config, family.tied_embeddings(hf_config), lm_head)
+    out = {}
+    for _, hf_names, mcore_name in expand(rules, plan):
+        name = hf_names[0]
+        out[mcore_name] = name if lm_head else name[len(family.base_prefix):]
+    return out

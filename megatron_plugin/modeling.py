@@ -12,7 +12,7 @@ from .convert import gather_hf_state_dict, load_hf_into_mcore, model_dims, norma
 from .distributed import current_layout
 from .models import get_family
 from .models.gpt import build_model, build_transformer_config
-from .models.mapping import StagePlan
+from .models.mapping import StagePlan, expand
 from .plugin import MegatronLMPlugin
 from .spec import default_backend
 
@@ -46,8 +46,21 @@ class MegatronModel(torch.nn.Module):
         self.dims = model_dims(self.family, hf_config, plugin.make_vocab_size_divisible_by, layout.tp_size)
         self.backend = default_backend(layout.device.type, backend)
         self.module = build_model(self.family, hf_config, self.config, plugin, self.plan, lm_head=lm_head, backend=self.backend)
+        self._mark_tensor_parallel_params()
         if layout.device.type == "cuda":
             self.module.cuda(layout.device)
+
+    def _mark_tensor_parallel_params(self):
+        """mcore sets `tensor_model_parallel` / `partition_dim` only when it initializes weights, which we
+        skip (HF weights are loaded instead). Grad-norm and optimizer code rely on them: set them from
+        the mapping table, which knows which tensors are split and along which dimension."""
+        params = dict(self.module.named_parameters())
+        rules = self.family.rules(self.hf_config, self.family.tied_embeddings(self.hf_config), self.lm_head)
+        for rule, _, name in expand(rules, self.plan):
+            if name in params:
+                params[name].tensor_model_parallel = rule.tp_dim is not None
+                params[name].partition_dim = rule.tp_dim if rule.tp_dim is not None else -1
+                params[name].partition_stride = 1
 
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, plugin: MegatronLMPlugin, **kwargs) -> "MegatronModel":

@@ -1,0 +1,200 @@
+"""`megatron_plugin.Accelerator`: accelerate's Accelerator, with Megatron-Core behind `prepare`.
+
+In Megatron mode (a `MegatronLMPlugin` passed in, or `ACCELERATE_USE_MEGATRON_LM=true` as written by
+`accelerate launch` for a `distributed_type: MEGATRON_LM` config) it reports
+`DistributedType.MEGATRON_LM` like accelerate does, but never enters accelerate's own Megatron code
+(which needs a patched Megatron-LM checkout). Outside Megatron mode it is accelerate's Accelerator.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Optional
+
+import accelerate
+import torch
+from accelerate.utils import DistributedType
+from torch.utils.data import DataLoader
+
+from . import checkpoint
+from .data import prepare_megatron_dataloader
+from .distributed import initialize
+from .engine import MegatronEngine, megatron_args
+from .errors import MegatronPluginConfigError
+from .modeling import MegatronModel
+from .convert import mcore_to_hf_names
+from .optimizer import MegatronLMOptimizerWrapper, check_optimizer, rebuild_optimizer
+from .plugin import MegatronLMPlugin
+from .scheduler import MegatronLMDummyScheduler, MegatronLMSchedulerWrapper, build_scheduler, check_scheduler
+
+_ENV_FLAG = "ACCELERATE_USE_MEGATRON_LM"
+
+
+@contextlib.contextmanager
+def _env(name, value):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = old
+
+
+class Accelerator(accelerate.Accelerator):
+    def __init__(self, *args, megatron_lm_plugin: Optional[MegatronLMPlugin] = None, **kwargs):
+        use_megatron = megatron_lm_plugin is not None or os.environ.get(_ENV_FLAG, "false").lower() == "true"
+        if not use_megatron:
+            super().__init__(*args, **kwargs)
+            self._megatron = None
+            return
+        if megatron_lm_plugin is None:
+            megatron_lm_plugin = MegatronLMPlugin()
+        if not isinstance(megatron_lm_plugin, MegatronLMPlugin):
+            raise TypeError("megatron_lm_plugin must be a megatron_plugin.MegatronLMPlugin")
+        steps = kwargs.get("gradient_accumulation_steps", 1)
+        plugin_steps = getattr(kwargs.get("gradient_accumulation_plugin"), "num_steps", 1)
+        if steps != 1 or plugin_steps != 1:
+            raise MegatronPluginConfigError(
+                "gradient_accumulation_steps", max(steps, plugin_steps),
+                "with Megatron, micro-batches play that role: set gradient_accumulation_steps=1 and "
+                "MegatronLMPlugin(num_micro_batches=...) instead",
+            )
+        megatron_lm_plugin.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        # accelerate would route to its own Megatron-LM code on this flag; build a plain state instead.
+        with _env(_ENV_FLAG, "false"):
+            super().__init__(*args, **kwargs)
+        self.state.distributed_type = DistributedType.MEGATRON_LM
+        self.state.megatron_lm_plugin = megatron_lm_plugin
+        self._megatron = megatron_lm_plugin
+        self._engine = None
+
+    # -- prepare ----------------------------------------------------------------------------------
+    def prepare(self, *args, device_placement=None):
+        if self._megatron is None:
+            return super().prepare(*args, device_placement=device_placement)
+        plugin = self._megatron
+        models = [a for a in args if isinstance(a, torch.nn.Module)]
+        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
+        schedulers = [a for a in args if not isinstance(a, (torch.nn.Module, torch.optim.Optimizer, DataLoader))
+                      and (isinstance(a, MegatronLMDummyScheduler) or hasattr(a, "step"))]
+        loaders = [a for a in args if isinstance(a, DataLoader)]
+        if len(models) > 1 or (models and self._engine is not None):
+            raise MegatronPluginConfigError(
+                "prepare(models)", len(models) + (self._engine is not None),
+                "Megatron runs train one model per Accelerator: prepare a single model",
+            )
+        if not models:
+            raise MegatronPluginConfigError("prepare(model)", None, "pass the HF model to prepare with its dataloaders")
+        if not loaders:
+            raise MegatronPluginConfigError(
+                "prepare(dataloaders)", None,
+                "pass the training and/or evaluation DataLoader to the same prepare call: Megatron needs the "
+                "micro-batch size to lay out the step",
+            )
+        if len(optimizers) > 1 or len(schedulers) > 1:
+            raise MegatronPluginConfigError("prepare(optimizers)", len(optimizers), "pass one optimizer and one scheduler")
+        for s in schedulers:
+            check_scheduler(s)
+        for o in optimizers:
+            check_optimizer(o)
+        if self.device.type == "cpu" and plugin.pp_degree > 1:
+            raise MegatronPluginConfigError(
+                "pp_degree", plugin.pp_degree,
+                "pipeline parallelism needs CUDA (Megatron-Core's pipeline schedules and p2p buffers are "
+                "GPU-only): use pp_degree=1 for CPU runs",
+            )
+        if self.device.type == "cpu" and plugin.sequence_parallelism:
+            raise MegatronPluginConfigError(
+                "sequence_parallelism", True,
+                "sequence parallelism needs CUDA (Megatron-Core's sequence-parallel collectives are GPU-only): "
+                "turn it off for CPU runs",
+            )
+        micro_sizes = {dl.batch_size for dl in loaders}
+        hf_model = models[0]
+        layout = initialize(plugin, hf_model.config)
+
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
+        if dtype is torch.float16 and self.device.type == "cpu":
+            raise MegatronPluginConfigError("mixed_precision", "fp16", "fp16 needs CUDA; use 'bf16' or 'no' on CPU")
+        model = MegatronModel.from_hf(hf_model, plugin)
+        micro = max(micro_sizes)
+        plugin.micro_batch_size = micro
+        plugin.global_batch_size = micro * plugin.num_micro_batches * layout.dp_size
+        mcore_params = dict(model.module.named_parameters())
+        names = mcore_to_hf_names(model.family, model.hf_config, model.plan, model.lm_head)
+        inner_opt = rebuild_optimizer(optimizers[0], hf_model, names, mcore_params) if optimizers else None
+        inner_sched = build_scheduler(schedulers[0], inner_opt, plugin) if schedulers and inner_opt else None
+
+        step_cls = plugin.custom_train_step_class
+        if step_cls is None:
+            from train_steps import GPTTrainStep as step_cls
+        step = step_cls(megatron_args(plugin, model, micro, layout.dp_size), **plugin.custom_train_step_kwargs)
+        engine = MegatronEngine(model, inner_opt, inner_sched, plugin, step, layout.device, autocast_dtype=dtype)
+        self._engine = engine
+        opt_wrapper = MegatronLMOptimizerWrapper(inner_opt, engine) if inner_opt else None
+        sched_wrapper = MegatronLMSchedulerWrapper(inner_sched, inner_opt) if inner_sched else None
+
+        out = []
+        for a in args:
+            if isinstance(a, torch.nn.Module):
+                out.append(engine)
+            elif isinstance(a, torch.optim.Optimizer):
+                out.append(opt_wrapper)
+            elif isinstance(a, DataLoader):
+                loader = prepare_megatron_dataloader(a, plugin, layout.dp_size, layout.dp_rank, layout.device, plugin.seed)
+                self._dataloaders.append(loader)
+                out.append(loader)
+            elif a in schedulers:
+                out.append(sched_wrapper)
+            else:
+                out.append(a)
+        self._models.append(engine)
+        if opt_wrapper:
+            self._optimizers.append(opt_wrapper)
+        if sched_wrapper:
+            self._schedulers.append(sched_wrapper)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    # -- the engine does these inside model(**batch) -----------------------------------------------
+    def backward(self, loss, **kwargs):
+        if self._megatron is None:
+            return super().backward(loss, **kwargs)
+
+    def clip_grad_norm_(self, parameters, max_norm, norm_type=2):
+        if self._megatron is None:
+            return super().clip_grad_norm_(parameters, max_norm, norm_type)
+        norm = self._engine.last_grad_norm if self._engine else None
+        return torch.tensor(norm) if norm is not None else None
+
+    @contextlib.contextmanager
+    def accumulate(self, *models):
+        if self._megatron is None:
+            with super().accumulate(*models):
+                yield
+        else:
+            yield
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def save_state(self, output_dir: str | None = None, safe_serialization: bool = True, **kwargs):
+        if self._megatron is None:
+            return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
+        if output_dir is None:
+            raise MegatronPluginConfigError("save_state(output_dir)", None, "pass the folder to save into")
+        return checkpoint.save_state(
+            output_dir, self._engine, self._custom_objects, distributed_optimizer=self._megatron.use_distributed_optimizer
+        )
+
+    def load_state(self, input_dir: str | None = None, **kwargs):
+        if self._megatron is None:
+            return super().load_state(input_dir, **kwargs)
+        return checkpoint.load_state(input_dir, self._engine, self._custom_objects)
+
+    def get_state_dict(self, model, unwrap=True):
+        """The HF state dict of the whole model (PP=1), gathered over TP ranks."""
+        if self._megatron is None:
+            return super().get_state_dict(model, unwrap)
+        return self._engine.hf_state_dict()

@@ -1,0 +1,189 @@
+"""`save_state` / `load_state` for Megatron runs.
+
+Layout of a checkpoint folder:
+
+    <dir>/latest                         name of the complete checkpoint below (replaced atomically)
+    <dir>/iter_0000010/meta.json         layout, iteration, model config (written last)
+    <dir>/iter_0000010/model/tp00_pp000.safetensors
+    <dir>/iter_0000010/optimizer/tp00_pp000_dp000.pt
+    <dir>/iter_0000010/scheduler.pt
+    <dir>/iter_0000010/rng/rank00000.pt
+    <dir>/iter_0000010/custom/<i>.pt     objects registered with `register_for_checkpointing`
+
+Every rank writes into a staging folder; only when all are done does rank 0 rename it into place and
+then point `latest` at it. A crash at any moment leaves `latest` naming a complete checkpoint (the
+previous one), and a half-written staging folder is never what `load_state` reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from typing import Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state, tensor_parallel
+from safetensors.torch import load_file, save_file
+
+from .errors import MegatronPluginConfigError
+
+LATEST = "latest"
+FORMAT = "megatron_plugin/1"
+
+
+def _rank_names():
+    tp = parallel_state.get_tensor_model_parallel_rank()
+    pp = parallel_state.get_pipeline_model_parallel_rank()
+    dp = parallel_state.get_data_parallel_rank()
+    return f"tp{tp:02d}_pp{pp:03d}", dp
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _model_tensors(model) -> dict:
+    return {k: v.detach().contiguous().cpu() for k, v in model.module.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def _rng_state() -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+        state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+    return state
+
+
+def _set_rng_state(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if torch.cuda.is_available() and "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer: bool = False) -> str:
+    """Collective: every rank calls it. Returns the checkpoint's folder."""
+    rank = dist.get_rank()
+    output_dir = os.path.abspath(output_dir)
+    tag = [None]
+    if rank == 0:
+        os.makedirs(output_dir, exist_ok=True)
+        base, k = f"iter_{engine.iteration:07d}", 0
+        tag[0] = base
+        while os.path.exists(os.path.join(output_dir, tag[0])):
+            k += 1
+            tag[0] = f"{base}_{k}"
+        staging = os.path.join(output_dir, f".{tag[0]}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        for sub in ("model", "optimizer", "rng", "custom"):
+            os.makedirs(os.path.join(staging, sub))
+    dist.broadcast_object_list(tag, src=0)
+    tag = tag[0]
+    staging = os.path.join(output_dir, f".{tag}.partial")
+    dist.barrier()
+
+    name, dp_rank = _rank_names()
+    if dp_rank == 0:
+        save_file(_model_tensors(engine.model), os.path.join(staging, "model", f"{name}.safetensors"))
+    if dp_rank == 0 or distributed_optimizer:
+        torch.save(engine.optimizer.state_dict(), os.path.join(staging, "optimizer", f"{name}_dp{dp_rank:03d}.pt"))
+    torch.save(_rng_state(), os.path.join(staging, "rng", f"rank{rank:05d}.pt"))
+    if rank == 0:
+        torch.save(engine.scheduler.state_dict(), os.path.join(staging, "scheduler.pt"))
+        for i, obj in enumerate(custom_objects):
+            torch.save(obj.state_dict(), os.path.join(staging, "custom", f"{i}.pt"))
+    dist.barrier()
+
+    final = os.path.join(output_dir, tag)
+    if rank == 0:
+        meta = {
+            "format": FORMAT,
+            "iteration": engine.iteration,
+            "tp": parallel_state.get_tensor_model_parallel_world_size(),
+            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
+            "dp": parallel_state.get_data_parallel_world_size(),
+            "world_size": dist.get_world_size(),
+            "distributed_optimizer": distributed_optimizer,
+            "family": engine.model.family.name,
+            "lm_head": engine.model.lm_head,
+            "make_vocab_size_divisible_by": engine.plugin.make_vocab_size_divisible_by,
+            "hf_config": engine.model.hf_config.to_dict(),
+        }
+        _atomic_write_text(os.path.join(staging, "meta.json"), json.dumps(meta, indent=2))
+        os.replace(staging, final)
+        previous = read_latest(output_dir)
+        _atomic_write_text(os.path.join(output_dir, LATEST), tag)
+        if previous and previous != tag:
+            shutil.rmtree(os.path.join(output_dir, previous), ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def read_latest(output_dir: str) -> Optional[str]:
+    path = os.path.join(output_dir, LATEST)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return f.read().strip()
+
+
+def resolve_checkpoint(input_dir: str) -> str:
+    """A folder with `latest`, or a checkpoint folder itself (with meta.json)."""
+    if os.path.exists(os.path.join(input_dir, "meta.json")):
+        return input_dir
+    tag = read_latest(input_dir)
+    if tag is None or not os.path.exists(os.path.join(input_dir, tag, "meta.json")):
+        raise MegatronPluginConfigError(
+            "load_state input_dir", input_dir,
+            "no complete checkpoint there (no 'latest' file naming a folder with meta.json): pass the folder "
+            "given to accelerator.save_state",
+        )
+    return os.path.join(input_dir, tag)
+
+
+def load_state(input_dir: str, engine, custom_objects=()) -> dict:
+    """Collective. Loads model shards, optimizer, scheduler, RNG and iteration; returns meta.json."""
+    ckpt = resolve_checkpoint(input_dir)
+    with open(os.path.join(ckpt, "meta.json")) as f:
+        meta = json.load(f)
+    tp = parallel_state.get_tensor_model_parallel_world_size()
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if (meta["tp"], meta["pp"]) != (tp, pp):
+        raise MegatronPluginConfigError(
+            "tp_degree/pp_degree", f"{tp}/{pp}",
+            f"the checkpoint {ckpt} was saved with tp={meta['tp']}, pp={meta['pp']}: run with that layout, or "
+            "reshape it with `python -m checkpoint_utils.convert`",
+        )
+    name, dp_rank = _rank_names()
+    tensors = load_file(os.path.join(ckpt, "model", f"{name}.safetensors"))
+    state = engine.model.module.state_dict()
+    missing = [k for k in state if not k.endswith("_extra_state") and k not in tensors]
+    if missing:
+        raise KeyError(f"checkpoint {ckpt} lacks model tensors {missing}")
+    with torch.no_grad():
+        for k, v in tensors.items():
+            state[k].copy_(v)
+    opt_dp = dp_rank if meta["distributed_optimizer"] else 0
+    engine.optimizer.load_state_dict(
+        torch.load(os.path.join(ckpt, "optimizer", f"{name}_dp{opt_dp:03d}.pt"), map_location=engine.device, weights_only=False)
+    )
+    engine.scheduler.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt"), weights_only=False))
+    rng_path = os.path.join(ckpt, "rng", f"rank{dist.get_rank():05d}.pt")
+    if os.path.exists(rng_path):
+        _set_rng_state(torch.load(rng_path, weights_only=False))
+    for i, obj in enumerate(custom_objects):
+        obj.load_state_dict(torch.load(os.path.join(ckpt, "custom", f"{i}.pt"), weights_only=False))
+    engine.iteration = meta["iteration"]
+    dist.barrier()
+    return meta

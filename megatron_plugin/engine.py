@@ -1,0 +1,162 @@
+"""`MegatronEngine`: what `accelerator.prepare` returns for the model.
+
+In train mode `engine(**batch)` runs one whole optimizer step: the batch is cut into the plugin's
+micro-batches, each goes forward and backward through the train step, gradients are averaged over
+data-parallel ranks and clipped to the global norm, and optimizer and LR scheduler step. It returns an
+HF-style output whose `.loss` is already averaged over data-parallel ranks. In eval mode it returns the
+loss (and, with `return_logits`, the logits) without touching gradients.
+
+This engine uses only torch.distributed collectives, so it runs on CPU (gloo) as well as on GPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from types import SimpleNamespace
+from typing import Dict, List
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+from .comm import gather_tensor_parallel_last_dim
+from .errors import MegatronPluginConfigError
+from .modeling import MegatronModel
+
+
+def megatron_args(plugin, model: MegatronModel, micro_batch_size: int, dp_size: int) -> SimpleNamespace:
+    """The `megatron_args` handed to train steps: the plugin's settings plus what prepare derived."""
+    args = SimpleNamespace(**{k: getattr(plugin, k) for k in plugin.__dataclass_fields__})
+    args.micro_batch_size = micro_batch_size
+    args.global_batch_size = micro_batch_size * plugin.num_micro_batches * dp_size
+    args.data_parallel_size = dp_size
+    args.padded_vocab_size = model.dims.padded_vocab
+    args.vocab_size = model.hf_config.vocab_size
+    args.eod_token = getattr(model.hf_config, "eos_token_id", None)
+    args.seq_length = plugin.seq_length or model.family.max_positions(model.hf_config)
+    return args
+
+
+class MegatronEngine(torch.nn.Module):
+    def __init__(self, model: MegatronModel, optimizer, scheduler, plugin, train_step, device, autocast_dtype=None):
+        super().__init__()
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.plugin = plugin
+        self.train_step_handler = train_step
+        self.device = device
+        self.autocast_dtype = autocast_dtype
+        self.last_step_skipped = False
+        self.last_grad_norm = None
+        self.iteration = 0
+
+    # -- the step -------------------------------------------------------------------------------
+    def forward(self, **batch):
+        micro_batches = self._split(batch)
+        if self.training:
+            logs = self._train_step(micro_batches)
+            logits = None
+        else:
+            with torch.no_grad():
+                logs, logits = self._eval_step(micro_batches)
+        loss = sum(v for v in logs.values() if v.dim() == 0)
+        cls = self.train_step_handler.model_output_class
+        return cls(loss=loss, logits=logits) if cls is not None else loss
+
+    def _split(self, batch) -> List[Dict[str, torch.Tensor]]:
+        if not batch:
+            raise MegatronPluginConfigError("batch", {}, "pass the dataloader's batch: model(**batch)")
+        n = self.plugin.num_micro_batches
+        size = next(iter(batch.values())).shape[0]
+        if size % n:
+            raise MegatronPluginConfigError(
+                "num_micro_batches", n,
+                f"a batch of {size} samples does not split into {n} micro-batches: use drop_last=True in the "
+                "DataLoader, or a batch size that is a multiple of num_micro_batches",
+            )
+        batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        return [{k: v.chunk(n)[i] for k, v in batch.items()} for i in range(n)]
+
+    def _autocast(self):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def _forward_micro_batch(self, micro_batch):
+        step = self.train_step_handler
+        with self._autocast():
+            output_tensor, loss_func = step.forward_step(iter([micro_batch]), self.model.module)
+            return output_tensor, loss_func(output_tensor)
+
+    def _train_step(self, micro_batches):
+        n = len(micro_batches)
+        collected: List[Dict[str, torch.Tensor]] = []
+        for mb in micro_batches:
+            _, (loss, logs) = self._forward_micro_batch(mb)
+            (loss / n).backward()
+            collected.append(logs)
+        self._reduce_gradients()
+        self.last_grad_norm = self._clip_gradients()
+        self.last_step_skipped = not math.isfinite(self.last_grad_norm)
+        if not self.last_step_skipped:
+            self.optimizer.step()
+            self.scheduler.step(1)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.iteration += 1
+        return _average_logs(collected)
+
+    def _eval_step(self, micro_batches):
+        collected, logits = [], []
+        for mb in micro_batches:
+            output_tensor, (_, logs) = self._forward_micro_batch(mb)
+            collected.append(logs)
+            if isinstance(output_tensor, tuple):
+                full = gather_tensor_parallel_last_dim(output_tensor[1])
+                logits.append(full[..., : self.model.hf_config.vocab_size])
+        return _average_logs(collected), (torch.cat(logits) if logits else None)
+
+    # -- gradients ------------------------------------------------------------------------------
+    def _params(self):
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    @torch.no_grad()
+    def _reduce_gradients(self):
+        grads = [p.grad for p in self._params() if p.grad is not None]
+        dp = parallel_state.get_data_parallel_group()
+        if dist.get_world_size(dp) > 1 and grads:
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=dp)
+            flat /= dist.get_world_size(dp)
+            for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+                g.copy_(reduced)
+
+    @torch.no_grad()
+    def _clip_gradients(self) -> float:
+        """Global L2 norm over the whole model (TP shards counted once, replicated tensors once), and
+        clipping to the plugin's `gradient_clipping` the way torch.nn.utils.clip_grad_norm_ does."""
+        params = [p for p in self._params() if p.grad is not None]
+        tp_rank = parallel_state.get_tensor_model_parallel_rank()
+        counted = [p.grad for p in params if getattr(p, "tensor_model_parallel", False) or tp_rank == 0]
+        sq = torch.zeros((), dtype=torch.float32, device=self.device)
+        for g in counted:
+            sq += g.float().pow(2).sum()
+        dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+        norm = sq.sqrt().item()
+        clip = self.plugin.gradient_clipping
+        if clip and math.isfinite(norm):
+            coef = min(clip / (norm + 1e-6), 1.0)
+            for p in params:
+                p.grad.mul_(coef)
+        return norm
+
+    # -- conveniences -----------------------------------------------------------------------------
+    def hf_state_dict(self):
+        """The full HF state dict of this pipeline stage (collective over the TP group)."""
+        return self.model.hf_state_dict()
+
+
+def _average_logs(collected: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+    keys = collected[0].keys()
+    return {k: torch.stack([c[k].detach().float() for c in collected]).mean() for k in keys}

@@ -1,0 +1,90 @@
+"""The user's torch optimizer, rebuilt over the Megatron parameters, and its accelerate-facing adapter."""
+
+from __future__ import annotations
+
+from typing import Dict, List
+
+import torch
+
+from .errors import MegatronPluginConfigError
+
+# optimizer class -> hyper-parameters copied per param group
+SUPPORTED = {
+    torch.optim.AdamW: ("lr", "betas", "eps", "weight_decay", "amsgrad"),
+    torch.optim.Adam: ("lr", "betas", "eps", "weight_decay", "amsgrad"),
+    torch.optim.SGD: ("lr", "momentum", "dampening", "weight_decay", "nesterov"),
+}
+
+
+def check_optimizer(optimizer) -> None:
+    if type(optimizer) not in SUPPORTED:
+        raise MegatronPluginConfigError(
+            "optimizer", type(optimizer).__name__,
+            "Megatron runs support torch.optim.AdamW, Adam and SGD: build one of those over model.parameters()",
+        )
+
+
+def rebuild_optimizer(user_opt: torch.optim.Optimizer, hf_model: torch.nn.Module,
+                      mcore_names: Dict[str, str], mcore_params: Dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """Same class, same per-group hyper-parameters, over the Megatron parameters of this rank.
+
+    Each Megatron parameter joins the group its HF source parameter was in, so the usual
+    "no weight decay for biases and LayerNorm" groups of HF scripts carry over.
+    `mcore_names`: Megatron name -> the HF name it is made from.
+    """
+    check_optimizer(user_opt)
+    hf_name_of = {id(p): n for n, p in hf_model.named_parameters()}
+    group_of_hf: Dict[str, int] = {}
+    for gi, group in enumerate(user_opt.param_groups):
+        for p in group["params"]:
+            if id(p) in hf_name_of:
+                group_of_hf[hf_name_of[id(p)]] = gi
+    groups: List[List[torch.nn.Parameter]] = [[] for _ in user_opt.param_groups]
+    for name, param in mcore_params.items():
+        hf_name = mcore_names.get(name)
+        if hf_name not in group_of_hf:
+            raise MegatronPluginConfigError(
+                "optimizer", f"parameter {hf_name or name} missing",
+                "pass every model parameter to the optimizer (model.parameters() or named groups covering all)",
+            )
+        groups[group_of_hf[hf_name]].append(param)
+    keys = SUPPORTED[type(user_opt)]
+    param_groups = [
+        {"params": params, **{k: g[k] for k in keys if k in g}}
+        for params, g in zip(groups, user_opt.param_groups) if params
+    ]
+    return type(user_opt)(param_groups)
+
+
+class MegatronLMOptimizerWrapper:
+    """What `accelerator.prepare` returns for the optimizer: the engine steps the real optimizer inside
+    `model(**batch)`, so `step` and `zero_grad` here do nothing."""
+
+    def __init__(self, optimizer, engine):
+        self.optimizer = optimizer
+        self._engine = engine
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        return self.optimizer.state
+
+    def step(self, *args, **kwargs):
+        pass
+
+    def zero_grad(self, set_to_none=None):
+        pass
+
+    @property
+    def step_was_skipped(self) -> bool:
+        """True when the last step was skipped (non-finite gradients, e.g. an fp16 loss-scale overflow)."""
+        return self._engine.last_step_skipped
+
+    def state_dict(self):
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.optimizer.load_state_dict(state_dict)

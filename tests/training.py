@@ -1,0 +1,88 @@
+"""A tiny causal-LM training run, written once and run two ways: as the user's script under
+megatron_plugin.Accelerator, and as plain HF + torch (the reference)."""
+
+import torch
+from torch.utils.data import DataLoader
+
+from tests.models import tiny_gpt2
+
+SEQ = 16
+LR = 3e-3
+WARMUP = 3
+
+
+def token_dataset(n, vocab, seed=2):
+    # arithmetic progressions: learnable, so the loss falls within a few steps
+    g = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, vocab, (n, 1), generator=g)
+    stride = torch.randint(1, 4, (n, 1), generator=g)
+    ids = (start + stride * torch.arange(SEQ)) % vocab
+    return [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()} for x in ids]
+
+
+def optimizer_for(model, weight_decay=0.1):
+    # the usual run_clm grouping: no decay for biases and LayerNorm weights
+    no_decay = ("bias", "ln_", "ln_f")
+    decay = [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)]
+    rest = [p for n, p in model.named_parameters() if any(k in n for k in no_decay)]
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}],
+        lr=LR, betas=(0.9, 0.95), eps=1e-8,
+    )
+
+
+def reference_losses(steps, global_batch, clip=1.0, loss_fn=None):
+    model = tiny_gpt2("tied").train()
+    data = token_dataset(steps * global_batch, model.config.vocab_size)
+    opt = optimizer_for(model)
+    from transformers import get_linear_schedule_with_warmup
+
+    sched = get_linear_schedule_with_warmup(opt, WARMUP, steps)
+    losses = []
+    for step in range(steps):
+        chunk = data[step * global_batch:(step + 1) * global_batch]
+        batch = {k: torch.stack([d[k] for d in chunk]) for k in chunk[0]}
+        out = model(**batch)
+        loss = out.loss if loss_fn is None else loss_fn(batch, out.logits)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def megatron_losses(tp, steps, micro, num_micro, clip=1.0, step_class=None, step_kwargs=None):
+    """Runs inside a launched process (one per rank)."""
+    import os
+
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+    world = int(os.environ["WORLD_SIZE"])
+    dp = world // tp
+    model = tiny_gpt2("tied")
+    data = token_dataset(steps * micro * num_micro * dp, model.config.vocab_size)
+    loader = DataLoader(data, batch_size=micro, shuffle=False)
+    opt = optimizer_for(model)
+    sched = MegatronLMDummyScheduler(opt, total_num_steps=steps, warmup_num_steps=WARMUP)
+    plugin = MegatronLMPlugin(tp_degree=tp, num_micro_batches=num_micro, gradient_clipping=clip)
+    if step_class is not None:
+        plugin.custom_train_step_class = step_class
+        plugin.custom_train_step_kwargs = step_kwargs or {}
+    accelerator = Accelerator(megatron_lm_plugin=plugin)
+    model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
+    assert accelerator.state.megatron_lm_plugin.global_batch_size == micro * num_micro * dp
+    model.train()
+    losses = []
+    for batch in loader:
+        out = model(**batch)
+        accelerator.backward(out.loss)
+        opt.step()
+        sched.step()
+        opt.zero_grad()
+        assert not opt.step_was_skipped
+        losses.append(out.loss.item())
+        if len(losses) == steps:
+            break
+    return losses

@@ -1,0 +1,71 @@
+from functools import partial
+
+import torch
+from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
+
+from .base import AbstractTrainStep
+from .utils import avg_losses_across_data_parallel_group
+
+IGNORE_INDEX = -100
+
+
+def _attention_mask_4d(mask, seq_len):
+    from megatron_plugin.modeling import attention_mask_4d
+
+    return attention_mask_4d(mask, seq_len)
+
+
+class GPTTrainStep(AbstractTrainStep):
+    """Causal LM step on HF batches: `input_ids`, optional `attention_mask` and `labels` (HF
+    semantics: labels are the inputs, shifted here; -100 and padding positions carry no loss)."""
+
+    model_output_class = CausalLMOutputWithCrossAttentions
+
+    def __init__(self, megatron_args, **kwargs):
+        super().__init__("GPTTrainStep")
+        self.megatron_args = megatron_args
+        self.return_logits = getattr(megatron_args, "return_logits", False)
+        self.get_batch = self.get_batch_func()
+        self.loss_func = self.get_loss_func()
+        self.forward_step = self.get_forward_step_func()
+
+    def get_batch_func(self, *args, **kwargs):
+        def get_batch(data_iterator):
+            """-> tokens, labels (ignored positions set to 0), loss_mask, attention_mask, position_ids"""
+            data = next(data_iterator)
+            tokens = data["input_ids"].long()
+            mask = data.get("attention_mask")
+            labels = data.get("labels")
+            if labels is None:
+                labels = tokens if mask is None else tokens.masked_fill(mask == 0, IGNORE_INDEX)
+            shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1).long()
+            loss_mask = (shifted != IGNORE_INDEX).float()
+            b, s = tokens.shape
+            position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+            return tokens, shifted.clamp_min(0), loss_mask, _attention_mask_4d(mask, s), position_ids
+
+        return get_batch
+
+    def get_loss_func(self, *args, **kwargs):
+        def loss_func(loss_mask, output_tensor):
+            if isinstance(output_tensor, tuple):  # (per-token losses, logits) when logits are asked for
+                output_tensor = output_tensor[0]
+            losses = output_tensor.float().view(-1)
+            loss_mask = loss_mask.view(-1).float()
+            loss = torch.sum(losses * loss_mask) / loss_mask.sum().clamp_min(1.0)
+            averaged = avg_losses_across_data_parallel_group([loss])
+            return loss, {"lm loss": averaged[0]}
+
+        return loss_func
+
+    def get_forward_step_func(self):
+        def forward_step(data_iterator, model):
+            tokens, labels, loss_mask, attention_mask, position_ids = self.get_batch(data_iterator)
+            if self.return_logits and not model.training:
+                logits = model(tokens, position_ids, attention_mask)  # [b, s, vocab / tp]
+                losses = model.compute_language_model_loss(labels, logits.transpose(0, 1))
+                return (losses, logits), partial(self.loss_func, loss_mask)
+            output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
+            return output_tensor, partial(self.loss_func, loss_mask)
+
+        return forward_step
