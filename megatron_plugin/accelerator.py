@@ -14,11 +14,12 @@ from typing import Optional
 
 import accelerate
 import torch
+from accelerate.state import PartialState
 from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 
 from . import checkpoint
-from .data import prepare_megatron_dataloader
+from .data import check_dataloader, prepare_megatron_dataloader
 from .distributed import initialize
 from .engine import MegatronEngine, megatron_args
 from .errors import MegatronPluginConfigError
@@ -44,6 +45,24 @@ def _env(name, value):
             os.environ[name] = old
 
 
+# Plugin settings the CPU engine cannot honour: each rests on a Megatron-Core piece that is CUDA-only.
+_CUDA_ONLY = {
+    "pp_degree": (lambda p: p.pp_degree > 1, "pipeline schedules and p2p buffers", "pp_degree=1"),
+    "sequence_parallelism": (lambda p: p.sequence_parallelism, "sequence-parallel collectives", "sequence_parallelism=False"),
+    "use_distributed_optimizer": (lambda p: p.use_distributed_optimizer, "DistributedOptimizer", "use_distributed_optimizer=False"),
+    "recompute_activations": (lambda p: p.recompute_granularity is not None, "activation checkpointing (CUDA RNG states)", "recompute_activations=False"),
+}
+
+
+def check_cpu_support(plugin: MegatronLMPlugin) -> None:
+    for setting, (used, piece, fix) in _CUDA_ONLY.items():
+        if used(plugin):
+            raise MegatronPluginConfigError(
+                setting, getattr(plugin, setting),
+                f"Megatron-Core's {piece} need CUDA; for a CPU run set {fix} (the GPU engine supports it)",
+            )
+
+
 class Accelerator(accelerate.Accelerator):
     def __init__(self, *args, megatron_lm_plugin: Optional[MegatronLMPlugin] = None, **kwargs):
         use_megatron = megatron_lm_plugin is not None or os.environ.get(_ENV_FLAG, "false").lower() == "true"
@@ -64,10 +83,15 @@ class Accelerator(accelerate.Accelerator):
                 "MegatronLMPlugin(num_micro_batches=...) instead",
             )
         megatron_lm_plugin.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        if not torch.cuda.is_available():
+            # accelerate builds a multi-process CPU (gloo) state only when told it is on CPU
+            kwargs["cpu"] = True
         # accelerate would route to its own Megatron-LM code on this flag; build a plain state instead.
         with _env(_ENV_FLAG, "false"):
             super().__init__(*args, **kwargs)
+        # Both state objects answer is_main_process (the last rank under Megatron, where losses live).
         self.state.distributed_type = DistributedType.MEGATRON_LM
+        PartialState().distributed_type = DistributedType.MEGATRON_LM
         self.state.megatron_lm_plugin = megatron_lm_plugin
         self._megatron = megatron_lm_plugin
         self._engine = None
@@ -101,18 +125,10 @@ class Accelerator(accelerate.Accelerator):
             check_scheduler(s)
         for o in optimizers:
             check_optimizer(o)
-        if self.device.type == "cpu" and plugin.pp_degree > 1:
-            raise MegatronPluginConfigError(
-                "pp_degree", plugin.pp_degree,
-                "pipeline parallelism needs CUDA (Megatron-Core's pipeline schedules and p2p buffers are "
-                "GPU-only): use pp_degree=1 for CPU runs",
-            )
-        if self.device.type == "cpu" and plugin.sequence_parallelism:
-            raise MegatronPluginConfigError(
-                "sequence_parallelism", True,
-                "sequence parallelism needs CUDA (Megatron-Core's sequence-parallel collectives are GPU-only): "
-                "turn it off for CPU runs",
-            )
+        if self.device.type == "cpu":
+            check_cpu_support(plugin)
+        for dl in loaders:
+            check_dataloader(dl, plugin, plugin.data_parallel_size(self.num_processes))
         micro_sizes = {dl.batch_size for dl in loaders}
         hf_model = models[0]
         layout = initialize(plugin, hf_model.config)

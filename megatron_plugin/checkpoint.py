@@ -55,15 +55,17 @@ def _model_tensors(model) -> dict:
     return {k: v.detach().contiguous().cpu() for k, v in model.module.state_dict().items() if not k.endswith("_extra_state")}
 
 
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+def _rng_state(engine) -> dict:
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+             "model": engine.rng.state_dict()}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()
         state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, engine) -> None:
+    engine.rng.load_state_dict(state["model"])
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
@@ -98,7 +100,7 @@ def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer
         save_file(_model_tensors(engine.model), os.path.join(staging, "model", f"{name}.safetensors"))
     if dp_rank == 0 or distributed_optimizer:
         torch.save(engine.optimizer.state_dict(), os.path.join(staging, "optimizer", f"{name}_dp{dp_rank:03d}.pt"))
-    torch.save(_rng_state(), os.path.join(staging, "rng", f"rank{rank:05d}.pt"))
+    torch.save(_rng_state(engine), os.path.join(staging, "rng", f"rank{rank:05d}.pt"))
     if rank == 0:
         torch.save(engine.scheduler.state_dict(), os.path.join(staging, "scheduler.pt"))
         for i, obj in enumerate(custom_objects):
@@ -180,8 +182,12 @@ def load_state(input_dir: str, engine, custom_objects=()) -> dict:
     )
     engine.scheduler.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt"), weights_only=False))
     rng_path = os.path.join(ckpt, "rng", f"rank{dist.get_rank():05d}.pt")
-    if os.path.exists(rng_path):
-        _set_rng_state(torch.load(rng_path, weights_only=False))
+    if not os.path.exists(rng_path):
+        raise MegatronPluginConfigError(
+            "world size", dist.get_world_size(),
+            f"{ckpt} holds RNG states for {meta['world_size']} ranks; resume with the same number of processes",
+        )
+    _set_rng_state(torch.load(rng_path, weights_only=False), engine)
     for i, obj in enumerate(custom_objects):
         obj.load_state_dict(torch.load(os.path.join(ckpt, "custom", f"{i}.pt"), weights_only=False))
     engine.iteration = meta["iteration"]

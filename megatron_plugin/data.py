@@ -9,7 +9,8 @@ from torch.utils.data import DataLoader, RandomSampler
 from .errors import MegatronPluginConfigError
 
 
-def prepare_megatron_dataloader(dataloader: DataLoader, plugin, dp_size: int, dp_rank: int, device, seed: int):
+def check_dataloader(dataloader: DataLoader, plugin, dp_size: int) -> None:
+    """Raise, before any process group exists, if the loader can't feed whole Megatron steps."""
     micro = dataloader.batch_size
     if micro is None:
         raise MegatronPluginConfigError(
@@ -23,6 +24,12 @@ def prepare_megatron_dataloader(dataloader: DataLoader, plugin, dp_size: int, dp
             f"the last batch of the {n} samples would not split into {plugin.num_micro_batches} micro-batches of "
             f"{micro}: create the DataLoader with drop_last=True, or change the micro-batch size",
         )
+
+
+def prepare_megatron_dataloader(dataloader: DataLoader, plugin, dp_size: int, dp_rank: int, device, seed: int):
+    check_dataloader(dataloader, plugin, dp_size)
+    micro = dataloader.batch_size
+    step_batch = micro * plugin.num_micro_batches
     rebuilt = DataLoader(
         dataloader.dataset,
         batch_size=step_batch,

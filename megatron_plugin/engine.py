@@ -51,16 +51,18 @@ class MegatronEngine(torch.nn.Module):
         self.last_step_skipped = False
         self.last_grad_norm = None
         self.iteration = 0
+        self.rng = ModelRNG(plugin.seed + 100 * parallel_state.get_pipeline_model_parallel_rank(), device)
 
     # -- the step -------------------------------------------------------------------------------
     def forward(self, **batch):
         micro_batches = self._split(batch)
-        if self.training:
-            logs = self._train_step(micro_batches)
-            logits = None
-        else:
-            with torch.no_grad():
-                logs, logits = self._eval_step(micro_batches)
+        with self.rng.active():
+            if self.training:
+                logs = self._train_step(micro_batches)
+                logits = None
+            else:
+                with torch.no_grad():
+                    logs, logits = self._eval_step(micro_batches)
         loss = sum(v for v in logs.values() if v.dim() == 0)
         cls = self.train_step_handler.model_output_class
         return cls(loss=loss, logits=logits) if cls is not None else loss
@@ -155,6 +157,43 @@ class MegatronEngine(torch.nn.Module):
     def hf_state_dict(self):
         """The full HF state dict of this pipeline stage (collective over the TP group)."""
         return self.model.hf_state_dict()
+
+
+class ModelRNG:
+    """The model's own random stream (dropout), separate from the script's.
+
+    Each step runs with this stream swapped in for torch's default generator(s) and swapped out after,
+    so whatever else the script draws (shuffling, a new dataloader iterator on resume) cannot shift the
+    dropout masks, and a checkpoint of this state resumes the exact same masks. Every TP rank of a
+    stage starts from the same seed: dropout on replicated activations must agree across TP ranks.
+    """
+
+    def __init__(self, seed: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.devices = [device] if self.cuda else []
+        with torch.random.fork_rng(devices=self.devices):
+            torch.manual_seed(seed)
+            self.state = self._get()
+
+    def _get(self):
+        return {"cpu": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state() if self.cuda else None}
+
+    @contextlib.contextmanager
+    def active(self):
+        with torch.random.fork_rng(devices=self.devices):
+            torch.set_rng_state(self.state["cpu"])
+            if self.cuda:
+                torch.cuda.set_rng_state(self.state["cuda"])
+            try:
+                yield
+            finally:
+                self.state = self._get()
+
+    def state_dict(self):
+        return dict(self.state)
+
+    def load_state_dict(self, state):
+        self.state = dict(state)
 
 
 def _average_logs(collected: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:

@@ -63,7 +63,7 @@ class GPTTrainStep(AbstractTrainStep):
             tokens, labels, loss_mask, attention_mask, position_ids = self.get_batch(data_iterator)
             if self.return_logits and not model.training:
                 logits = model(tokens, position_ids, attention_mask)  # [b, s, vocab / tp]
-                losses = model.compute_language_model_loss(labels, logits.transpose(0, 1))
+                losses = model.compute_language_model_loss(labels, logits.transpose(0, 1).contiguous())
                 return (losses, logits), partial(self.loss_func, loss_mask)
             output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
             return output_tensor, partial(self.loss_func, loss_mask)

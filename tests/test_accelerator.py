@@ -1,0 +1,100 @@
+"""megatron_plugin.Accelerator: bad input is refused before any process group exists; eval mode
+returns HF's loss and logits."""
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from tests.models import tiny_gpt2
+from tests.spawn import run_on_ranks
+from tests.training import LR, optimizer_for, token_dataset
+
+
+def _bad_inputs_worker():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin, MegatronPluginConfigError
+
+    errors = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+            errors[name] = None
+        except MegatronPluginConfigError as err:
+            # accelerate's Accelerator() itself opens the process group; what must not have started by
+            # then is Megatron: no model-parallel groups, no collectives
+            started = dist.is_initialized() if name == "grad_accum" else parallel_state.model_parallel_is_initialized()
+            errors[name] = (err.setting, str(err), started)
+
+    expect("grad_accum", lambda: Accelerator(megatron_lm_plugin=MegatronLMPlugin(), gradient_accumulation_steps=2))
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(num_micro_batches=2))
+    model = tiny_gpt2()
+    data = token_dataset(10, model.config.vocab_size)
+    opt = optimizer_for(model)
+    sched = MegatronLMDummyScheduler(opt, total_num_steps=10, warmup_num_steps=1)
+    loader = DataLoader(data, batch_size=2, drop_last=True)
+    expect("micro_split", lambda: acc.prepare(model, opt, sched, DataLoader(data, batch_size=3)))
+    expect("custom_scheduler", lambda: acc.prepare(model, opt, torch.optim.lr_scheduler.StepLR(opt, 1), loader))
+    expect("optimizer", lambda: acc.prepare(model, torch.optim.RMSprop(model.parameters(), lr=LR), sched, loader))
+    expect("two_models", lambda: acc.prepare(model, tiny_gpt2(seed=1), opt, sched, loader))
+    expect("no_dataloader", lambda: acc.prepare(model, opt, sched))
+    expect("no_total_steps", lambda: acc.prepare(model, opt, MegatronLMDummyScheduler(opt), loader))
+    cpu_acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(recompute_activations=True))
+    expect("cpu_recompute", lambda: cpu_acc.prepare(model, opt, sched, loader))
+    return errors
+
+
+def test_bad_input_is_refused_before_distributed_work():
+    (errors,) = run_on_ranks(_bad_inputs_worker, 1)
+    expected = {
+        "grad_accum": ("gradient_accumulation_steps", "num_micro_batches"),
+        "micro_split": ("num_micro_batches", "drop_last=True"),
+        "custom_scheduler": ("lr_scheduler", "MegatronLMDummyScheduler"),
+        "optimizer": ("optimizer", "RMSprop"),
+        "two_models": ("prepare(models)", "single model"),
+        "no_dataloader": ("prepare(dataloaders)", "DataLoader"),
+        "no_total_steps": ("MegatronLMDummyScheduler.total_num_steps", "max_train_steps"),
+        "cpu_recompute": ("recompute_activations", "need CUDA"),
+    }
+    for name, (setting, words) in expected.items():
+        got = errors[name]
+        assert got is not None, f"{name}: no error raised"
+        assert got[0] == setting and words in got[1], (name, got)
+        assert got[2] is False, f"{name}: raised after distributed work had started"
+
+
+def _eval_worker():
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+    hf = tiny_gpt2()
+    data = token_dataset(8, hf.config.vocab_size)
+    for d in data[:4]:  # some padding, which must stay out of the loss
+        d["attention_mask"][-3:] = 0
+        d["labels"][-3:] = -100
+    batch = {k: torch.stack([d[k] for d in data[:4]]) for k in data[0]}
+    with torch.no_grad():
+        ref = hf(**batch)
+    model = tiny_gpt2()
+    opt = optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=2, return_logits=True))
+    engine, opt, sched, loader = acc.prepare(
+        model, opt, MegatronLMDummyScheduler(opt, total_num_steps=5), DataLoader(data, batch_size=4)
+    )
+    engine.eval()
+    with torch.no_grad():
+        out = engine(**batch)
+    return {
+        "loss_err": abs(out.loss.item() - ref.loss.item()),
+        # positions that are tokens (a padding position's logits mean nothing)
+        "logits_err": (out.logits - ref.logits).abs()[batch["attention_mask"].bool()].max().item(),
+        "shape": tuple(out.logits.shape) == tuple(ref.logits.shape),
+        "main_is_last": acc.is_main_process == (acc.process_index == acc.num_processes - 1),
+    }
+
+
+def test_eval_returns_hf_loss_and_logits_under_tp2():
+    for res in run_on_ranks(_eval_worker, 2):
+        assert res["shape"] and res["main_is_last"]
+        assert res["loss_err"] < 1e-5 and res["logits_err"] < 1e-4, res

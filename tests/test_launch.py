@@ -1,0 +1,86 @@
+"""The product as a user runs it: `accelerate launch` of the example on CPU, resume, questionnaire."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tests.launch import CONFIGS, EXAMPLE, ROOT, accelerate_launch, step_losses
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory):
+    # built once from the shipped corpus; every run below reads it so they tokenize alike
+    from examples.megatron_lm_gpt_pretraining import build_tokenizer
+
+    path = str(tmp_path_factory.mktemp("tok"))
+    build_tokenizer(os.path.join(ROOT, "examples", "data", "corpus.txt"), 2048, path)
+    return path
+
+
+@pytest.mark.parametrize("config", ["cpu_tp2.yaml", "cpu_dp2.yaml"])
+def test_example_trains(config, tokenizer_dir, tmp_path):
+    out = accelerate_launch(
+        os.path.join(CONFIGS, config), EXAMPLE, "--output_dir", tmp_path, "--tokenizer_name", tokenizer_dir,
+        "--max_train_steps", 80, "--log_every", 1, "--max_eval_batches", 10,
+    )
+    losses = [float(v) for _, v in sorted(step_losses(out).items())]
+    assert len(losses) == 80
+    assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.5, losses
+    assert "perplexity" in out
+    assert os.path.exists(os.path.join(tmp_path, "final", "latest"))
+
+
+def test_resume_is_bit_identical(tokenizer_dir, tmp_path):
+    cfg = os.path.join(CONFIGS, "cpu_tp2.yaml")
+    common = ["--tokenizer_name", tokenizer_dir, "--max_train_steps", 20, "--log_every", 1, "--max_eval_batches", 2]
+    straight = step_losses(accelerate_launch(cfg, EXAMPLE, "--output_dir", tmp_path / "a", *common))
+    first = step_losses(accelerate_launch(
+        cfg, EXAMPLE, "--output_dir", tmp_path / "b", "--stop_after_steps", 10, "--checkpointing_steps", 10, *common))
+    second = step_losses(accelerate_launch(
+        cfg, EXAMPLE, "--output_dir", tmp_path / "b", "--resume_from_checkpoint", tmp_path / "b" / "step_10", *common))
+    assert sorted(straight) == list(range(1, 21))
+    assert sorted(first) == list(range(1, 11)) and sorted(second) == list(range(11, 21))
+    assert {**first, **second} == straight
+
+
+def test_questionnaire_yaml_launches(tmp_path):
+    cfg = tmp_path / "megatron_gpt_config.yaml"
+    # answers to the real prompts, in order: cpu, tp, sp, pp, micro-batches, recompute, dist-opt, clip, procs, precision
+    answers = "yes\n2\nno\n1\n4\nno\nno\n0.5\n2\nbf16\n"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_plugin.cli", "config", "--config_file", str(cfg)],
+        input=answers, capture_output=True, text=True, cwd=ROOT, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "Tensor Parallelism degree" in proc.stdout and "micro-batches" in proc.stdout
+    out = accelerate_launch(str(cfg), os.path.join(ROOT, "tests", "scripts", "print_plugin.py"))
+    line = next(l for l in out.splitlines() if l.startswith("PLUGIN "))
+    got = json.loads(line[len("PLUGIN "):])
+    assert got == {
+        "tp": 2, "pp": 1, "sp": False, "num_micro_batches": 4, "recompute": False, "distributed_optimizer": False,
+        "gradient_clipping": 0.5, "num_processes": 2, "mixed_precision": "bf16",
+        "distributed_type": "DistributedType.MEGATRON_LM", "main_is_last": True,
+    }
+
+
+def test_questionnaire_flags_and_gpu_answers(tmp_path):
+    from megatron_plugin.cli import main
+
+    cfg = tmp_path / "gpu.yaml"
+    assert main(["config", "--config_file", str(cfg), "--non_interactive", "--tp", "2", "--pp", "2",
+                 "--num_micro_batches", "4", "--num_processes", "8", "--mixed_precision", "bf16"]) == 0
+    import yaml
+
+    data = yaml.safe_load(cfg.read_text())
+    assert data["distributed_type"] == "MEGATRON_LM" and data["num_processes"] == 8 and data["use_cpu"] is False
+    assert data["megatron_lm_config"] == {
+        "megatron_lm_gradient_clipping": 1.0, "megatron_lm_num_micro_batches": 4, "megatron_lm_pp_degree": 2,
+        "megatron_lm_recompute_activations": True, "megatron_lm_sequence_parallelism": True,
+        "megatron_lm_tp_degree": 2, "megatron_lm_use_distributed_optimizer": True,
+    }
+    # a layout that does not fit the processes is refused, naming the setting, and nothing is written
+    bad = tmp_path / "bad.yaml"
+    assert main(["config", "--config_file", str(bad), "--non_interactive", "--tp", "4", "--num_processes", "6"]) == 2
+    assert not bad.exists()
