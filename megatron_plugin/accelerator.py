@@ -119,6 +119,8 @@ class Accelerator(accelerate.Accelerator):
                 "pass the training and/or evaluation DataLoader to the same prepare call: Megatron needs the "
                 "micro-batch size to lay out the step",
             )
+        if not optimizers:
+            raise MegatronPluginConfigError("prepare(optimizer)", None, "pass the optimizer to the same prepare call")
         if len(optimizers) > 1 or len(schedulers) > 1:
             raise MegatronPluginConfigError("prepare(optimizers)", len(optimizers), "pass one optimizer and one scheduler")
         for s in schedulers:
@@ -136,20 +138,29 @@ class Accelerator(accelerate.Accelerator):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
         if dtype is torch.float16 and self.device.type == "cpu":
             raise MegatronPluginConfigError("mixed_precision", "fp16", "fp16 needs CUDA; use 'bf16' or 'no' on CPU")
-        model = MegatronModel.from_hf(hf_model, plugin)
+        chunks = MegatronModel.chunks_from_hf(
+            hf_model, plugin, params_dtype=dtype if (dtype is not None and self.device.type == "cuda") else torch.float32
+        )
+        model = chunks[0]
         micro = max(micro_sizes)
         plugin.micro_batch_size = micro
         plugin.global_batch_size = micro * plugin.num_micro_batches * layout.dp_size
-        mcore_params = dict(model.module.named_parameters())
-        names = mcore_to_hf_names(model.family, model.hf_config, model.plan, model.lm_head)
-        inner_opt = rebuild_optimizer(optimizers[0], hf_model, names, mcore_params) if optimizers else None
-        inner_sched = build_scheduler(schedulers[0], inner_opt, plugin) if schedulers and inner_opt else None
-
         step_cls = plugin.custom_train_step_class
         if step_cls is None:
             from train_steps import GPTTrainStep as step_cls
         step = step_cls(megatron_args(plugin, model, micro, layout.dp_size), **plugin.custom_train_step_kwargs)
-        engine = MegatronEngine(model, inner_opt, inner_sched, plugin, step, layout.device, autocast_dtype=dtype)
+        if self.device.type == "cuda":
+            from .gpu_engine import MegatronCoreEngine
+
+            engine = MegatronCoreEngine(chunks, optimizers[0], schedulers[0] if schedulers else None, plugin, step,
+                                        layout.device, dtype)
+        else:
+            mcore_params = dict(model.module.named_parameters())
+            names = mcore_to_hf_names(model.family, model.hf_config, model.plan, model.lm_head)
+            inner = rebuild_optimizer(optimizers[0], hf_model, names, mcore_params)
+            sched = build_scheduler(schedulers[0], inner, plugin) if schedulers else None
+            engine = MegatronEngine(chunks, inner, sched, plugin, step, layout.device, autocast_dtype=dtype)
+        inner_opt, inner_sched = engine.optimizer, engine.scheduler
         self._engine = engine
         opt_wrapper = MegatronLMOptimizerWrapper(inner_opt, engine) if inner_opt else None
         sched_wrapper = MegatronLMSchedulerWrapper(inner_sched, inner_opt) if inner_sched else None

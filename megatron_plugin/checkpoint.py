@@ -51,8 +51,15 @@ def _atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _model_tensors(model) -> dict:
-    return {k: v.detach().contiguous().cpu() for k, v in model.module.state_dict().items() if not k.endswith("_extra_state")}
+def _model_tensors(engine) -> dict:
+    """Every chunk's tensors, chunk i's names prefixed `chunk{i}.` when there are several."""
+    many = len(engine.chunks) > 1
+    out = {}
+    for i, chunk in enumerate(engine.chunks):
+        for k, v in chunk.module.state_dict().items():
+            if not k.endswith("_extra_state"):
+                out[f"chunk{i}.{k}" if many else k] = v.detach().contiguous().cpu()
+    return out
 
 
 def _rng_state(engine) -> dict:
@@ -97,11 +104,13 @@ def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer
 
     name, dp_rank = _rank_names()
     if dp_rank == 0:
-        save_file(_model_tensors(engine.model), os.path.join(staging, "model", f"{name}.safetensors"))
-    if dp_rank == 0 or distributed_optimizer:
-        torch.save(engine.optimizer.state_dict(), os.path.join(staging, "optimizer", f"{name}_dp{dp_rank:03d}.pt"))
+        save_file(_model_tensors(engine), os.path.join(staging, "model", f"{name}.safetensors"))
+        torch.save(engine.optimizer.state_dict(), os.path.join(staging, "optimizer", f"{name}_dp000.pt"))
+    if distributed_optimizer:
+        # mcore gathers the DP-sharded optimizer state onto DP rank 0 of each model-parallel rank
+        engine.optimizer.save_parameter_state(os.path.join(staging, "optimizer", f"{name}_param_state.pt"))
     torch.save(_rng_state(engine), os.path.join(staging, "rng", f"rank{rank:05d}.pt"))
-    if rank == 0:
+    if rank == 0 and engine.scheduler is not None:
         torch.save(engine.scheduler.state_dict(), os.path.join(staging, "scheduler.pt"))
         for i, obj in enumerate(custom_objects):
             torch.save(obj.state_dict(), os.path.join(staging, "custom", f"{i}.pt"))
@@ -169,18 +178,29 @@ def load_state(input_dir: str, engine, custom_objects=()) -> dict:
         )
     name, dp_rank = _rank_names()
     tensors = load_file(os.path.join(ckpt, "model", f"{name}.safetensors"))
-    state = engine.model.module.state_dict()
-    missing = [k for k in state if not k.endswith("_extra_state") and k not in tensors]
-    if missing:
-        raise KeyError(f"checkpoint {ckpt} lacks model tensors {missing}")
+    many = len(engine.chunks) > 1
     with torch.no_grad():
-        for k, v in tensors.items():
-            state[k].copy_(v)
-    opt_dp = dp_rank if meta["distributed_optimizer"] else 0
+        for i, chunk in enumerate(engine.chunks):
+            state = chunk.module.state_dict()
+            for k, dest in state.items():
+                if k.endswith("_extra_state"):
+                    continue
+                key = f"chunk{i}.{k}" if many else k
+                if key not in tensors:
+                    raise KeyError(f"checkpoint {ckpt} lacks model tensor {key}")
+                dest.copy_(tensors[key])
+    if meta["distributed_optimizer"] != engine.plugin.use_distributed_optimizer:
+        raise MegatronPluginConfigError(
+            "use_distributed_optimizer", engine.plugin.use_distributed_optimizer,
+            f"{ckpt} was saved with use_distributed_optimizer={meta['distributed_optimizer']}: resume with the same",
+        )
     engine.optimizer.load_state_dict(
-        torch.load(os.path.join(ckpt, "optimizer", f"{name}_dp{opt_dp:03d}.pt"), map_location=engine.device, weights_only=False)
+        torch.load(os.path.join(ckpt, "optimizer", f"{name}_dp000.pt"), map_location=engine.device, weights_only=False)
     )
-    engine.scheduler.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt"), weights_only=False))
+    if meta["distributed_optimizer"]:
+        engine.optimizer.load_parameter_state(os.path.join(ckpt, "optimizer", f"{name}_param_state.pt"))
+    if engine.scheduler is not None:
+        engine.scheduler.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt"), weights_only=False))
     rng_path = os.path.join(ckpt, "rng", f"rank{dist.get_rank():05d}.pt")
     if not os.path.exists(rng_path):
         raise MegatronPluginConfigError(

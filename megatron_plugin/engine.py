@@ -39,9 +39,10 @@ def megatron_args(plugin, model: MegatronModel, micro_batch_size: int, dp_size: 
 
 
 class MegatronEngine(torch.nn.Module):
-    def __init__(self, model: MegatronModel, optimizer, scheduler, plugin, train_step, device, autocast_dtype=None):
+    def __init__(self, chunks: List[MegatronModel], optimizer, scheduler, plugin, train_step, device, autocast_dtype=None):
         super().__init__()
-        self.model = model
+        self.chunks = torch.nn.ModuleList(chunks)
+        self.model = chunks[0]
         self.optimizer = optimizer
         self.scheduler = scheduler
         self.plugin = plugin
@@ -63,7 +64,7 @@ class MegatronEngine(torch.nn.Module):
             else:
                 with torch.no_grad():
                     logs, logits = self._eval_step(micro_batches)
-        loss = sum(v for v in logs.values() if v.dim() == 0)
+        loss = sum(logs.values()) if logs else torch.zeros((), device=self.device)
         cls = self.train_step_handler.model_output_class
         return cls(loss=loss, logits=logits) if cls is not None else loss
 
@@ -104,20 +105,26 @@ class MegatronEngine(torch.nn.Module):
         self.last_step_skipped = not math.isfinite(self.last_grad_norm)
         if not self.last_step_skipped:
             self.optimizer.step()
-            self.scheduler.step(1)
+            if self.scheduler is not None:
+                self.scheduler.step(1)
         self.optimizer.zero_grad(set_to_none=True)
         self.iteration += 1
         return _average_logs(collected)
 
     def _eval_step(self, micro_batches):
-        collected, logits = [], []
+        collected = []
         for mb in micro_batches:
-            output_tensor, (_, logs) = self._forward_micro_batch(mb)
+            _, (_, logs) = self._forward_micro_batch(mb)
             collected.append(logs)
-            if isinstance(output_tensor, tuple):
-                full = gather_tensor_parallel_last_dim(output_tensor[1])
-                logits.append(full[..., : self.model.hf_config.vocab_size])
-        return _average_logs(collected), (torch.cat(logits) if logits else None)
+        return _average_logs(collected), self._collect_logits(collected)
+
+    def _collect_logits(self, collected):
+        """Logits of the whole batch, gathered over TP and cut to the true vocabulary (last stage)."""
+        parts = [c["logits"] for c in collected if "logits" in c]
+        if not parts:
+            return None
+        full = gather_tensor_parallel_last_dim(torch.cat(parts))
+        return full[..., : self.model.hf_config.vocab_size]
 
     # -- gradients ------------------------------------------------------------------------------
     def _params(self):
@@ -197,5 +204,8 @@ class ModelRNG:
 
 
 def _average_logs(collected: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
-    keys = collected[0].keys()
+    """Mean over micro-batches of every scalar a loss function logged."""
+    if not collected:
+        return {}
+    keys = [k for k, v in collected[0].items() if torch.is_tensor(v) and v.dim() == 0]
     return {k: torch.stack([c[k].detach().float() for c in collected]).mean() for k in keys}

@@ -34,18 +34,24 @@ class MegatronModel(torch.nn.Module):
     """Holds the Megatron-Core module of this rank and knows how it maps to the HF model."""
 
     def __init__(self, hf_config, plugin: MegatronLMPlugin, *, lm_head: bool = True,
-                 params_dtype: torch.dtype = torch.float32, backend: Optional[str] = None):
+                 params_dtype: torch.dtype = torch.float32, backend: Optional[str] = None,
+                 config=None, vp_stage: Optional[int] = None):
         super().__init__()
         layout = current_layout()
         self.hf_config, self.plugin, self.lm_head = hf_config, plugin, lm_head
         self.family = get_family(hf_config)
-        self.config = build_transformer_config(
+        # model chunks of one rank (virtual pipeline stages) share one config: mcore's schedules read
+        # their hooks from the first chunk's
+        self.config = config or build_transformer_config(
             self.family, hf_config, plugin, params_dtype=params_dtype, device_type=layout.device.type
         )
-        self.plan = StagePlan.for_rank(self.config.num_layers, layout.pp_size, layout.pp_rank)
+        vp_size = self.config.virtual_pipeline_model_parallel_size or 1
+        self.plan = StagePlan.for_rank(self.config.num_layers, layout.pp_size, layout.pp_rank, vp_stage or 0, vp_size)
         self.dims = model_dims(self.family, hf_config, plugin.make_vocab_size_divisible_by, layout.tp_size)
         self.backend = default_backend(layout.device.type, backend)
-        self.module = build_model(self.family, hf_config, self.config, plugin, self.plan, lm_head=lm_head, backend=self.backend)
+        self.module = build_model(
+            self.family, hf_config, self.config, plugin, self.plan, lm_head=lm_head, backend=self.backend, vp_stage=vp_stage
+        )
         self._mark_tensor_parallel_params()
         if layout.device.type == "cuda":
             self.module.cuda(layout.device)
@@ -68,6 +74,24 @@ class MegatronModel(torch.nn.Module):
         model = cls(hf_model.config, plugin, lm_head=lm_head, **kwargs)
         model.load_hf_state_dict(hf_model.state_dict())
         return model
+
+    @classmethod
+    def chunks_from_hf(cls, hf_model: torch.nn.Module, plugin: MegatronLMPlugin, params_dtype=torch.float32,
+                       backend: Optional[str] = None) -> list:
+        """This rank's model chunks (one per virtual pipeline stage), carrying the HF weights."""
+        layout = current_layout()
+        family = get_family(hf_model.config)
+        config = build_transformer_config(family, hf_model.config, plugin, params_dtype=params_dtype,
+                                          device_type=layout.device.type)
+        vp = config.virtual_pipeline_model_parallel_size
+        state = hf_model.state_dict()
+        chunks = []
+        for vp_stage in range(vp or 1):
+            chunk = cls(hf_model.config, plugin, lm_head=hasattr(hf_model, "lm_head"), config=config,
+                        vp_stage=vp_stage if vp else None, backend=backend)
+            chunk.load_hf_state_dict(state)
+            chunks.append(chunk)
+        return chunks
 
     def load_hf_state_dict(self, hf_state: Dict[str, torch.Tensor]) -> None:
         hf_state = normalize_hf_state_dict(hf_state, self.family, self.lm_head)

@@ -9,6 +9,13 @@ from .utils import avg_losses_across_data_parallel_group
 IGNORE_INDEX = -100
 
 
+def unwrap_model(model):
+    """The Megatron GPT module inside DDP / Float16Module wrappers."""
+    while not hasattr(model, "compute_language_model_loss") and hasattr(model, "module"):
+        model = model.module
+    return model
+
+
 def _attention_mask_4d(mask, seq_len):
     from megatron_plugin.modeling import attention_mask_4d
 
@@ -48,13 +55,17 @@ class GPTTrainStep(AbstractTrainStep):
 
     def get_loss_func(self, *args, **kwargs):
         def loss_func(loss_mask, output_tensor):
+            logits = None
             if isinstance(output_tensor, tuple):  # (per-token losses, logits) when logits are asked for
-                output_tensor = output_tensor[0]
+                output_tensor, logits = output_tensor
             losses = output_tensor.float().view(-1)
             loss_mask = loss_mask.view(-1).float()
             loss = torch.sum(losses * loss_mask) / loss_mask.sum().clamp_min(1.0)
             averaged = avg_losses_across_data_parallel_group([loss])
-            return loss, {"lm loss": averaged[0]}
+            logs = {"lm loss": averaged[0]}
+            if logits is not None:
+                logs["logits"] = logits
+            return loss, logs
 
         return loss_func
 
@@ -63,7 +74,7 @@ class GPTTrainStep(AbstractTrainStep):
             tokens, labels, loss_mask, attention_mask, position_ids = self.get_batch(data_iterator)
             if self.return_logits and not model.training:
                 logits = model(tokens, position_ids, attention_mask)  # [b, s, vocab / tp]
-                losses = model.compute_language_model_loss(labels, logits.transpose(0, 1).contiguous())
+                losses = unwrap_model(model).compute_language_model_loss(labels, logits.transpose(0, 1).contiguous())
                 return (losses, logits), partial(self.loss_func, loss_mask)
             output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
             return output_tensor, partial(self.loss_func, loss_mask)

@@ -97,6 +97,8 @@ def build_transformer_config(
         apply_rope_fusion=False,
         bias_dropout_fusion=on_gpu,
         recompute_granularity=plugin.recompute_granularity,
+        pipeline_dtype=params_dtype,
+        virtual_pipeline_model_parallel_size=plugin.virtual_pipeline_stages(fields["num_layers"]),
     )
     if plugin.recompute_granularity == "full":
         fields.update(recompute_method=plugin.recompute_method, recompute_num_layers=plugin.recompute_num_layers)

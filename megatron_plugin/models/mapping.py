@@ -122,9 +122,12 @@ class StagePlan:
         return cls(first=True, last=True, layer_offset=0, num_layers=num_layers)
 
     @classmethod
-    def for_rank(cls, num_layers: int, pp_size: int, pp_rank: int) -> "StagePlan":
-        per = num_layers // pp_size
-        return cls(first=pp_rank == 0, last=pp_rank == pp_size - 1, layer_offset=pp_rank * per, num_layers=per)
+    def for_rank(cls, num_layers: int, pp_size: int, pp_rank: int, vp_stage: int = 0, vp_size: int = 1) -> "StagePlan":
+        """Layers split evenly; with virtual stages, chunk `vp_stage` of rank r holds the layers of
+        global stage vp_stage * pp_size + r (Megatron's interleaved layout)."""
+        per = num_layers // (pp_size * vp_size)
+        stage = vp_stage * pp_size + pp_rank
+        return cls(first=stage == 0, last=stage == pp_size * vp_size - 1, layer_offset=stage * per, num_layers=per)
 
 
 def expand(rules: Iterable[Rule], plan: StagePlan) -> Iterator[Tuple[Rule, Tuple[str, ...], str]]:

@@ -1,0 +1,176 @@
+"""Training throughput of GPT-2 sizes: megatron_plugin vs HF + accelerate (eager) vs HF + torch.compile.
+
+Each measurement runs in its own process (torchrun for several GPUs) and prints one JSON line; the
+driver prints a markdown table. Synthetic tokens, seq 1024, bf16, AdamW, the same global batch for
+every mode.
+
+    python benchmarks/train_throughput.py --sizes 124m,350m --modes megatron,hf_eager,hf_compile
+    python benchmarks/train_throughput.py --sizes 124m --modes megatron --nproc 2 --global_batch 32
+
+FLOPs per token = 6 * N + 12 * L * h * s (N: parameters without position embeddings, counting the
+tied LM head once; L layers, h hidden size, s sequence length: the attention score and value matmuls,
+forward and backward). MFU = achieved FLOP/s / the GPU's dense bf16 peak.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+SIZES = {  # n_layer, n_embd, n_head
+    "124m": (12, 768, 12),
+    "350m": (24, 1024, 16),
+    "774m": (36, 1280, 20),
+    "1.5b": (48, 1600, 25),
+}
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def peak_flops(name: str) -> float:
+    for key, value in PEAK_BF16.items():
+        if key in name:
+            return value
+    return float("nan")
+
+
+def gpt2_config(size, seq):
+    from transformers import GPT2Config
+
+    n_layer, n_embd, n_head = SIZES[size]
+    return GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq, vocab_size=50257,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def flops_per_token(cfg, seq):
+    n = (12 * cfg.n_embd**2 + 13 * cfg.n_embd) * cfg.n_layer + cfg.vocab_size * cfg.n_embd + 2 * cfg.n_embd
+    return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq, n
+
+
+def measure(args):
+    """One mode, one size, in this process; prints a JSON line on the last rank."""
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    cfg = gpt2_config(args.size, args.seq)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.manual_seed(0)
+    with torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))):
+        model = GPT2LMHeadModel(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    ids = torch.randint(0, cfg.vocab_size, (args.global_batch, args.seq))
+    data = [{"input_ids": x, "labels": x} for x in ids]
+
+    if args.mode == "megatron":
+        from torch.utils.data import DataLoader
+
+        from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+        dp = world // (args.tp * args.pp)
+        micro = args.global_batch // (dp * args.num_micro)
+        plugin = MegatronLMPlugin(tp_degree=args.tp, pp_degree=args.pp, num_micro_batches=args.num_micro,
+                                  sequence_parallelism=args.sp, use_distributed_optimizer=args.distopt,
+                                  recompute_activations=args.recompute)
+        acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16")
+        loader = DataLoader(data * (args.steps + args.warmup), batch_size=micro, drop_last=True)
+        sched = MegatronLMDummyScheduler(opt, total_num_steps=10 * (args.steps + args.warmup), warmup_num_steps=1)
+        engine, opt, sched, loader = acc.prepare(model, opt, sched, loader)
+        del model
+        torch.cuda.empty_cache()
+        engine.train()
+        batches = iter(loader)
+
+        def step():
+            engine(**next(batches))
+    else:
+        from accelerate import Accelerator
+
+        acc = Accelerator(mixed_precision="bf16")
+        model, opt = acc.prepare(model, opt)
+        fwd = torch.compile(model) if args.mode == "hf_compile" else model
+        local = args.global_batch // world
+        batch = {k: torch.stack([d[k] for d in data[:local]]).cuda() for k in data[0]}
+
+        def step():
+            loss = fwd(**batch).loss
+            acc.backward(loss)
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    for _ in range(args.warmup):
+        step()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = args.global_batch * args.seq * args.steps
+    per_token, n_params = flops_per_token(cfg, args.seq)
+    tok_s = tokens / dt
+    flops = tok_s * per_token / world
+    name = torch.cuda.get_device_name()
+    result = {
+        "size": args.size, "mode": args.mode, "gpus": world, "tp": args.tp, "pp": args.pp,
+        "global_batch": args.global_batch, "tok_s": round(tok_s), "tflops_per_gpu": round(flops / 1e12, 1),
+        "mfu": round(flops / peak_flops(name), 3), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "params": n_params, "device": name,
+    }
+    if int(os.environ.get("RANK", "0")) == world - 1:
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def drive(args):
+    rows = []
+    for size in args.sizes.split(","):
+        for mode in args.modes.split(","):
+            cmd = [sys.executable, os.path.abspath(__file__), "--one", "--size", size, "--mode", mode]
+            for key in ("seq", "global_batch", "steps", "warmup", "tp", "pp", "num_micro"):
+                cmd += [f"--{key}", str(getattr(args, key))]
+            cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute") if getattr(args, flag)]
+            if args.nproc > 1:
+                cmd = ["torchrun", "--nproc-per-node", str(args.nproc)] + cmd[1:]
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+            lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+            if proc.returncode or not lines:
+                print(f"{size} {mode}: failed\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}", flush=True)
+                continue
+            row = json.loads(lines[-1][len("RESULT "):])
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    if rows:
+        print(f"\n| size | mode | GPUs | TPxPP | global batch | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['size']} | {r['mode']} | {r['gpus']} | {r['tp']}x{r['pp']} | {r['global_batch']} | {r['tok_s']:,} | "
+                  f"{r['tflops_per_gpu']} | {r['mfu']:.1%} | {r['peak_mem_gib']} |")
+        print(f"\ndevice: {rows[0]['device']}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="124m,350m")
+    p.add_argument("--modes", default="megatron,hf_eager,hf_compile")
+    p.add_argument("--size", default="124m")
+    p.add_argument("--mode", default="megatron")
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--global_batch", type=int, default=16)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--nproc", type=int, default=1)
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--num_micro", type=int, default=1)
+    p.add_argument("--sp", action="store_true")
+    p.add_argument("--distopt", action="store_true")
+    p.add_argument("--recompute", action="store_true")
+    p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    measure(args) if args.one else drive(args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+"""The CUDA engine: Megatron-Core's own machinery behind the same `engine(**batch)` step.
+
+- `DistributedDataParallel` with gradient reduce-scatter/all-reduce overlapped with backward,
+- `get_megatron_optimizer` (fp32 master weights for bf16/fp16, dynamic loss scaling for fp16, the
+  distributed optimizer when the plugin asks for it, clipping to the global norm),
+- the forward-backward schedules: no pipelining, 1F1B, or interleaved 1F1B with virtual stages,
+- `finalize_model_grads`: DP reduction, sequence-parallel norm grads over TP, tied embeddings over PP.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.module import Float16Module
+
+from .engine import MegatronEngine, _average_logs
+from .errors import MegatronPluginConfigError
+from .optimizer import check_optimizer
+from .scheduler import build_scheduler
+
+
+def optimizer_config(user_opt: torch.optim.Optimizer, plugin, dtype: Optional[torch.dtype]) -> OptimizerConfig:
+    """mcore's optimizer settings from the user's torch optimizer. mcore keeps weight decay off biases
+    and 1-D parameters (norms), as HF scripts' usual parameter groups do."""
+    check_optimizer(user_opt)
+    g = user_opt.param_groups[0]
+    kind = type(user_opt)
+    common = dict(
+        lr=max(pg["lr"] for pg in user_opt.param_groups),
+        min_lr=plugin.min_lr,
+        weight_decay=max(pg.get("weight_decay", 0.0) for pg in user_opt.param_groups),
+        bf16=dtype is torch.bfloat16,
+        fp16=dtype is torch.float16,
+        params_dtype=dtype or torch.float32,
+        clip_grad=plugin.gradient_clipping,
+        use_distributed_optimizer=plugin.use_distributed_optimizer,
+        initial_loss_scale=2**16,
+    )
+    if kind is torch.optim.SGD:
+        return OptimizerConfig(optimizer="sgd", sgd_momentum=g.get("momentum", 0.0), **common)
+    beta1, beta2 = g["betas"]
+    return OptimizerConfig(
+        optimizer="adam", adam_beta1=beta1, adam_beta2=beta2, adam_eps=g["eps"],
+        decoupled_weight_decay=kind is torch.optim.AdamW, **common,
+    )
+
+
+class MegatronCoreEngine(MegatronEngine):
+    def __init__(self, chunks, user_optimizer, dummy_scheduler, plugin, train_step, device, dtype):
+        config = chunks[0].config
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            overlap_grad_reduce=True,
+            use_distributed_optimizer=plugin.use_distributed_optimizer,
+        )
+        wrapped = []
+        for i, chunk in enumerate(chunks):
+            module = chunk.module
+            if dtype is not None:
+                module = Float16Module(config, module)
+            # only the first chunk buckets: later chunks' grads are ready last (Megatron-LM does the same)
+            wrapped.append(DistributedDataParallel(config, ddp_config, module, disable_bucketing=i > 0))
+        optimizer = get_megatron_optimizer(optimizer_config(user_optimizer, plugin, dtype), wrapped)
+        scheduler = build_scheduler(dummy_scheduler, optimizer, plugin) if dummy_scheduler is not None else None
+
+        sync = [m.no_sync for m in wrapped]
+        config.no_sync_func = sync[0] if len(sync) == 1 else sync
+        grad_sync = [m.start_grad_sync for m in wrapped]
+        config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        config.grad_scale_func = optimizer.scale_loss
+        super().__init__(chunks, optimizer, scheduler, plugin, train_step, device)
+        self.wrapped = torch.nn.ModuleList(wrapped)
+        self.dtype = dtype
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        for m in self.wrapped:
+            m.train(mode)
+        return self
+
+    def _run_schedule(self, micro_batches, forward_only: bool):
+        n = len(micro_batches)
+        b, s = micro_batches[0]["input_ids"].shape
+        tp = parallel_state.get_tensor_model_parallel_world_size()
+        if self.plugin.sequence_parallelism and s % tp:
+            raise MegatronPluginConfigError(
+                "sequence_parallelism", True, f"the sequence length {s} must be a multiple of tp_degree={tp}"
+            )
+        chunks = list(self.wrapped)
+        iters = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
+        return get_forward_backward_func()(
+            forward_step_func=self.train_step_handler.forward_step,
+            data_iterator=iters,
+            model=chunks if len(chunks) > 1 else chunks[0],
+            num_microbatches=n,
+            seq_length=s,
+            micro_batch_size=b,
+            forward_only=forward_only,
+        )
+
+    def _train_step(self, micro_batches):
+        for m in self.wrapped:
+            m.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        collected = self._run_schedule(micro_batches, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        self.last_step_skipped = not ok
+        self.last_grad_norm = grad_norm
+        if ok and self.scheduler is not None:
+            self.scheduler.step(1)
+        self.iteration += 1
+        return self._share_from_last_stage(_average_logs(collected))
+
+    def _eval_step(self, micro_batches):
+        collected = self._run_schedule(micro_batches, forward_only=True)
+        logits = self._collect_logits(collected) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None
+        return self._share_from_last_stage(_average_logs(collected)), logits
+
+    def _share_from_last_stage(self, logs):
+        """Losses exist on the last pipeline stage; give every stage the same values."""
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return logs
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        keys = [sorted(logs)] if last else [None]
+        group = parallel_state.get_pipeline_model_parallel_group()
+        src = parallel_state.get_pipeline_model_parallel_last_rank()
+        dist.broadcast_object_list(keys, src=src, group=group)
+        values = torch.stack([logs[k] for k in keys[0]]).to(self.device) if last else torch.zeros(len(keys[0]), device=self.device)
+        dist.broadcast(values, src=src, group=group)
+        return dict(zip(keys[0], values))

@@ -1,0 +1,88 @@
+"""Run on the GPU machine (see README): bf16 parity per layout, 50-step loss tracking, save/resume.
+
+    python -m pytest -q tests/gpu
+"""
+
+import pytest
+import torch
+
+from tests.gpu.workers import STEPS, run_layout
+from tests.spawn import run_on_ranks
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+
+LAYOUTS_2GPU = {
+    "tp2": dict(tp=2),
+    "pp2": dict(pp=2),
+    "dp2_distopt": dict(distopt=True),
+    "tp2_sp": dict(tp=2, sp=True),
+    "pp2_interleaved": dict(pp=2, vpp_layers=1),
+    "tp2_sp_recompute": dict(tp=2, sp=True, recompute=True),
+}
+
+
+@pytest.fixture(scope="module")
+def baseline():
+    (losses,) = run_on_ranks(run_layout, 1)
+    return losses
+
+
+def test_single_gpu_bf16_logits():
+    (res,) = run_on_ranks(_logits, 1, {})
+    assert res["ours_err"] <= 2 * res["hf_bf16_err"] + 1e-3, res
+
+
+def _logits(kwargs):
+    return run_layout(mode="logits", **kwargs)
+
+
+@two_gpus
+@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2_distopt", "tp2_sp"])
+def test_bf16_logits_parity_2gpu(name):
+    results = run_on_ranks(_logits, 2, LAYOUTS_2GPU[name])
+    last = [r for r in results if r["last_stage"]]
+    assert last, results
+    for r in last:
+        # as close to fp32 HF as HF itself is in bf16
+        assert r["ours_err"] <= 2 * r["hf_bf16_err"] + 1e-3, (name, r)
+
+
+def _train(kwargs):
+    return run_layout(**kwargs)
+
+
+def test_baseline_learns(baseline):
+    assert len(baseline) == STEPS
+    assert sum(baseline[-5:]) < sum(baseline[:5]) * 0.8, baseline
+
+
+def test_fp16_tracks_bf16_baseline(baseline):
+    (losses,) = run_on_ranks(_train, 1, dict(precision="fp16"))
+    _assert_tracks(losses, baseline, "fp16")
+
+
+@two_gpus
+@pytest.mark.parametrize("name", list(LAYOUTS_2GPU))
+def test_layouts_track_single_gpu_loss(name, baseline):
+    for losses in run_on_ranks(_train, 2, LAYOUTS_2GPU[name]):
+        _assert_tracks(losses, baseline, name)
+
+
+def _assert_tracks(losses, baseline, name):
+    assert len(losses) == len(baseline) == STEPS
+    rel = [abs(a - b) / b for a, b in zip(losses, baseline)]
+    # bf16 runs of different layouts reduce in different orders: close, not equal
+    assert max(rel) < 0.03, (name, max(rel), losses, baseline)
+    assert abs(sum(losses[-10:]) - sum(baseline[-10:])) / sum(baseline[-10:]) < 0.01, (name, losses, baseline)
+
+
+@two_gpus
+def test_save_on_tp2_then_resume(tmp_path):
+    straight = run_on_ranks(_train, 2, dict(tp=2, steps=20, total_steps=20))
+    first = run_on_ranks(_train, 2, dict(tp=2, steps=10, total_steps=20, save_dir=str(tmp_path / "ckpt")))
+    second = run_on_ranks(_train, 2, dict(tp=2, steps=10, total_steps=20, load_dir=str(tmp_path / "ckpt")))
+    for rank in range(2):
+        resumed = first[rank] + second[rank]
+        for a, b in zip(resumed, straight[rank]):
+            assert abs(a - b) / b < 1e-3, (resumed, straight[rank])
