@@ -71,7 +71,8 @@ def measure(args):
         micro = args.global_batch // (dp * args.num_micro)
         plugin = MegatronLMPlugin(tp_degree=args.tp, pp_degree=args.pp, num_micro_batches=args.num_micro,
                                   sequence_parallelism=args.sp, use_distributed_optimizer=args.distopt,
-                                  recompute_activations=args.recompute)
+                                  recompute_activations=args.recompute, fused_kernels=not args.no_fused,
+                                  torch_compile=args.compile_layers)
         acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16")
         loader = DataLoader(data * (args.steps + args.warmup), batch_size=micro, drop_last=True)
         sched = MegatronLMDummyScheduler(opt, total_num_steps=10 * (args.steps + args.warmup), warmup_num_steps=1)
@@ -113,8 +114,12 @@ def measure(args):
     tok_s = tokens / dt
     flops = tok_s * per_token / world
     name = torch.cuda.get_device_name()
+    variant = args.mode
+    if args.mode == "megatron":
+        variant += "".join(f"+{f}" for f in ("sp", "distopt", "recompute", "compile_layers") if getattr(args, f))
+        variant += "-unfused" if args.no_fused else ""
     result = {
-        "size": args.size, "mode": args.mode, "gpus": world, "tp": args.tp, "pp": args.pp,
+        "size": args.size, "mode": variant, "gpus": world, "tp": args.tp, "pp": args.pp,
         "global_batch": args.global_batch, "tok_s": round(tok_s), "tflops_per_gpu": round(flops / 1e12, 1),
         "mfu": round(flops / peak_flops(name), 3), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "params": n_params, "device": name,
@@ -130,7 +135,7 @@ def drive(args):
             cmd = [sys.executable, os.path.abspath(__file__), "--one", "--size", size, "--mode", mode]
             for key in ("seq", "global_batch", "steps", "warmup", "tp", "pp", "num_micro"):
                 cmd += [f"--{key}", str(getattr(args, key))]
-            cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute") if getattr(args, flag)]
+            cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "no_fused", "compile_layers") if getattr(args, flag)]
             if args.nproc > 1:
                 cmd = ["torchrun", "--nproc-per-node", str(args.nproc)] + cmd[1:]
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -167,6 +172,8 @@ def main():
     p.add_argument("--sp", action="store_true")
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--recompute", action="store_true")
+    p.add_argument("--no_fused", action="store_true", help="megatron: without mcore's fused kernels")
+    p.add_argument("--compile_layers", action="store_true", help="megatron: torch.compile each transformer layer")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     measure(args) if args.one else drive(args)

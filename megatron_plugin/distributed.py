@@ -92,9 +92,9 @@ def initialize(plugin: MegatronLMPlugin, hf_config=None) -> Layout:
             tensor_model_parallel_size=plugin.tp_degree,
             pipeline_model_parallel_size=plugin.pp_degree,
             virtual_pipeline_model_parallel_size=vpp,
-            # Gloo side-groups are only needed by CPU-offloaded optimizers; on a CPU run the main groups
-            # already are gloo.
-            create_gloo_process_groups=False,
+            # mcore's optimizer (its distributed-optimizer checkpointing) wants gloo side-groups next to
+            # NCCL; on a CPU run the main groups already are gloo.
+            create_gloo_process_groups=torch.cuda.is_available(),
         )
     set_seed(plugin.seed)
     return current_layout(device)

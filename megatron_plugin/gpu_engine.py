@@ -62,6 +62,9 @@ class MegatronCoreEngine(MegatronEngine):
         wrapped = []
         for i, chunk in enumerate(chunks):
             module = chunk.module
+            if plugin.torch_compile:
+                for layer in module.decoder.layers:
+                    layer.compile()
             if dtype is not None:
                 module = Float16Module(config, module)
             # only the first chunk buckets: later chunks' grads are ready last (Megatron-LM does the same)

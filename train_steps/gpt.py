@@ -73,9 +73,13 @@ class GPTTrainStep(AbstractTrainStep):
         def forward_step(data_iterator, model):
             tokens, labels, loss_mask, attention_mask, position_ids = self.get_batch(data_iterator)
             if self.return_logits and not model.training:
-                logits = model(tokens, position_ids, attention_mask)  # [b, s, vocab / tp]
-                losses = unwrap_model(model).compute_language_model_loss(labels, logits.transpose(0, 1).contiguous())
-                return (losses, logits), partial(self.loss_func, loss_mask)
+                output = model(tokens, position_ids, attention_mask)
+                gpt = unwrap_model(model)
+                if not gpt.post_process:  # an earlier pipeline stage: hidden states go to the next one
+                    return output, partial(self.loss_func, loss_mask)
+                # logits [b, s, vocab / tp]
+                losses = gpt.compute_language_model_loss(labels, output.transpose(0, 1).contiguous())
+                return (losses, output), partial(self.loss_func, loss_mask)
             output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
             return output_tensor, partial(self.loss_func, loss_mask)
 

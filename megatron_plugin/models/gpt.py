@@ -6,6 +6,7 @@ import dataclasses
 from typing import Optional
 
 import torch
+import torch.nn.functional as F
 from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
@@ -15,6 +16,7 @@ from ..errors import MegatronPluginConfigError
 from ..plugin import MegatronLMPlugin
 from ..spec import block_spec
 from .family import ModelFamily
+from .gpt2 import gelu_tanh
 from .mapping import StagePlan
 
 
@@ -100,6 +102,12 @@ def build_transformer_config(
         pipeline_dtype=params_dtype,
         virtual_pipeline_model_parallel_size=plugin.virtual_pipeline_stages(fields["num_layers"]),
     )
+    if on_gpu and plugin.fused_kernels:
+        fields.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
+        if fields["activation_func"] is gelu_tanh and fields["add_bias_linear"]:
+            # mcore's fused bias-GELU computes the tanh approximation, which is what gelu_tanh is;
+            # it is chosen when activation_func is F.gelu
+            fields.update(activation_func=F.gelu, bias_activation_fusion=True)
     if plugin.recompute_granularity == "full":
         fields.update(recompute_method=plugin.recompute_method, recompute_num_layers=plugin.recompute_num_layers)
     fields.update(transformer_config_overrides(plugin.other_megatron_args))
