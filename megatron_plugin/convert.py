@@ -12,7 +12,7 @@ from megatron.core import parallel_state
 from .errors import MegatronPluginConfigError
 from .models import ModelFamily
 from .models.gpt import padded_vocab_size
-from .models.mapping import Dims, StagePlan, hf_to_mcore, mcore_to_hf
+from .models.mapping import Dims, StagePlan, expand, hf_to_mcore, mcore_to_hf
 
 # HF tensors that are not weights (buffers some transformers versions keep in state dicts)
 _IGNORED_HF = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
@@ -69,24 +69,13 @@ def load_hf_into_mcore(
     missing = sorted(set(target) - filled)
     if missing:
         raise KeyError(f"Megatron tensors not filled from the HF checkpoint: {missing}")
-    stage_layers = set(range(plan.layer_offset, plan.layer_offset + plan.num_layers))
-    unused = sorted(
-        n for n in hf_names
-        if n not in used and not _IGNORED_HF.search(n) and _belongs_to_stage(n, stage_layers, plan, rules)
-    )
+    # Any HF weight the mapping never names (for any stage) would be silently dropped: refuse instead.
+    whole = StagePlan.single(family.transformer_config(hf_config)["num_layers"])
+    mapped = {n for _, names, _ in expand(rules, whole) for n in names}
+    tied_head = "lm_head.weight" if family.tied_embeddings(hf_config) else None
+    unused = sorted(n for n in hf_names if n not in mapped and n != tied_head and not _IGNORED_HF.search(n))
     if unused:
         raise KeyError(f"HF tensors the {family.name} mapping does not use: {unused}")
-
-
-def _belongs_to_stage(name: str, stage_layers, plan: StagePlan, rules) -> bool:
-    # An HF tensor of another pipeline stage is someone else's to load.
-    m = re.search(r"\.(\d+)\.", name)
-    if m:
-        return int(m.group(1)) in stage_layers
-    # tied lm_head.weight shares storage with the embeddings: nothing to load
-    if name == "lm_head.weight" and not any("lm_head.weight" in r.hf for r in rules):
-        return False
-    return True
 
 
 @torch.no_grad()
@@ -123,8 +112,6 @@ def gather_hf_state_dict(
 def mcore_to_hf_names(family: ModelFamily, hf_config, plan: StagePlan, lm_head: bool) -> Dict[str, str]:
     """Megatron parameter name -> the (first) HF parameter it is made from, named as in the HF model
     the user passed (base models without `family.base_prefix`)."""
-    from .models.mapping import expand
-
     rules = family.rules(hf_config, family.tied_embeddings(hf_config), lm_head)
     out = {}
     for _, hf_names, mcore_name in expand(rules, plan):

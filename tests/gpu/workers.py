@@ -37,8 +37,9 @@ def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="
     )
     acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision=precision)
     hf = gpu_model()
-    data = dataset(total_steps * MICRO * NUM_MICRO * dp)
-    loader = DataLoader(data, batch_size=MICRO, shuffle=False, drop_last=True)
+    # the same global batch (and so the same samples per step) for every layout
+    data = dataset(total_steps * MICRO * NUM_MICRO)
+    loader = DataLoader(data, batch_size=MICRO // dp, shuffle=False, drop_last=True)
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-3, weight_decay=0.01)
     sched = MegatronLMDummyScheduler(opt, total_num_steps=total_steps, warmup_num_steps=5)
     engine, opt, sched, loader = acc.prepare(hf, opt, sched, loader)
