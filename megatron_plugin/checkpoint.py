@@ -81,6 +81,14 @@ def _set_rng_state(state: dict, engine) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
 
+def write_meta(path: str, meta: dict) -> None:
+    _atomic_write_text(path, json.dumps(meta, indent=2))
+
+
+def point_latest(output_dir: str, tag: str) -> None:
+    _atomic_write_text(os.path.join(output_dir, LATEST), tag)
+
+
 def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer: bool = False) -> str:
     """Collective: every rank calls it. Returns the checkpoint's folder."""
     rank = dist.get_rank()
@@ -126,6 +134,8 @@ def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer
             "dp": parallel_state.get_data_parallel_world_size(),
             "world_size": dist.get_world_size(),
             "distributed_optimizer": distributed_optimizer,
+            "vpp": len(engine.chunks) if len(engine.chunks) > 1 else None,
+            "model_only": False,
             "family": engine.model.family.name,
             "lm_head": engine.model.lm_head,
             "make_vocab_size_divisible_by": engine.plugin.make_vocab_size_divisible_by,
@@ -170,11 +180,12 @@ def load_state(input_dir: str, engine, custom_objects=()) -> dict:
         meta = json.load(f)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    if (meta["tp"], meta["pp"]) != (tp, pp):
+    vpp = len(engine.chunks) if len(engine.chunks) > 1 else None
+    if (meta["tp"], meta["pp"], meta.get("vpp")) != (tp, pp, vpp):
         raise MegatronPluginConfigError(
-            "tp_degree/pp_degree", f"{tp}/{pp}",
-            f"the checkpoint {ckpt} was saved with tp={meta['tp']}, pp={meta['pp']}: run with that layout, or "
-            "reshape it with `python -m checkpoint_utils.convert`",
+            "tp_degree/pp_degree/virtual stages", f"{tp}/{pp}/{vpp}",
+            f"the checkpoint {ckpt} was saved with tp={meta['tp']}, pp={meta['pp']}, virtual stages="
+            f"{meta.get('vpp')}: run with that layout, or reshape it with `python -m checkpoint_utils.convert`",
         )
     name, dp_rank = _rank_names()
     tensors = load_file(os.path.join(ckpt, "model", f"{name}.safetensors"))
@@ -189,6 +200,11 @@ def load_state(input_dir: str, engine, custom_objects=()) -> dict:
                 if key not in tensors:
                     raise KeyError(f"checkpoint {ckpt} lacks model tensor {key}")
                 dest.copy_(tensors[key])
+    if meta.get("model_only"):
+        # written by checkpoint_utils: weights only; optimizer, scheduler and RNG start fresh
+        engine.iteration = meta["iteration"]
+        dist.barrier()
+        return meta
     if meta["distributed_optimizer"] != engine.plugin.use_distributed_optimizer:
         raise MegatronPluginConfigError(
             "use_distributed_optimizer", engine.plugin.use_distributed_optimizer,

@@ -1,0 +1,205 @@
+"""Convert and reshape checkpoints between HF (safetensors / .bin) and Megatron (any TP/PP), tensor by
+tensor, as a command and as functions.
+
+    # HF -> Megatron, laid out for TP=2, PP=2 (accelerator.load_state reads it directly)
+    python -m checkpoint_utils.convert --load_path gpt/hf --save_path gpt/megatron \
+        --target_tensor_model_parallel_size 2 --target_pipeline_model_parallel_size 2
+    # Megatron (any layout, e.g. from accelerator.save_state) -> HF sharded safetensors
+    python -m checkpoint_utils.convert --convert_checkpoint_from_megatron_to_transformers \
+        --load_path gpt/megatron --save_path gpt/hf2 --max_shard_size 200MB --tokenizer_name gpt/tokenizer
+    # Megatron -> Megatron with another TP/PP (give a Megatron checkpoint as --load_path)
+    python -m checkpoint_utils.convert --load_path gpt/megatron --save_path gpt/megatron_tp1_pp2 \
+        --target_tensor_model_parallel_size 1 --target_pipeline_model_parallel_size 2
+
+Peak host memory stays near one output shard plus one full tensor: HF safetensors are memory-mapped and
+read per tensor, and each Megatron (TP, PP) file is built and written on its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Optional
+
+from safetensors.torch import save_file
+from tqdm.auto import tqdm
+
+from megatron_plugin.checkpoint import FORMAT, point_latest, write_meta
+from megatron_plugin.errors import MegatronPluginConfigError
+from megatron_plugin.models import check_model
+from megatron_plugin.models.gpt import padded_vocab_size
+from megatron_plugin.models.mapping import StagePlan, expand, hf_to_mcore
+from megatron_plugin.plugin import MegatronLMPlugin
+
+from .io import DTYPES, HFReader, MegatronReader, parse_size, staged_output
+
+
+def is_megatron_checkpoint(path: str) -> bool:
+    return os.path.exists(os.path.join(path, "latest")) or os.path.exists(os.path.join(path, "meta.json"))
+
+
+def _dtype(name: Optional[str]):
+    if name is None:
+        return None
+    if name not in DTYPES:
+        raise MegatronPluginConfigError("--target_params_dtype", name, f"use one of {sorted(DTYPES)}")
+    return DTYPES[name]
+
+
+def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1, params_dtype: str = "fp32",
+                   make_vocab_size_divisible_by: int = 128, use_distributed_optimizer: bool = False,
+                   overwrite: bool = False, print_structure: bool = False, progress: bool = True) -> str:
+    """Write `reader`'s model (HFReader or MegatronReader) as a model-only Megatron checkpoint."""
+    cfg, family = reader.config, reader.family
+    plugin = MegatronLMPlugin(tp_degree=tp, pp_degree=pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
+    plugin.validate(world_size=tp * pp * dp)
+    check_model(plugin, cfg)
+    dtype = _dtype(params_dtype)
+    tied = family.tied_embeddings(cfg)
+    rules = family.rules(cfg, tied, True)
+    num_layers = family.transformer_config(cfg)["num_layers"]
+    needed = {n for _, names, _ in expand(rules, StagePlan.single(num_layers)) for n in names}
+    missing = sorted(needed - set(reader.names))
+    if missing:
+        raise MegatronPluginConfigError("--load_path", getattr(reader, "path", reader), f"lacks tensors {missing[:5]}")
+    dims = family.dims(cfg, padded_vocab_size(cfg.vocab_size, make_vocab_size_divisible_by, tp))
+    tag = "iter_0000000"
+    with staged_output(save_path, overwrite) as out:
+        os.makedirs(os.path.join(out, tag, "model"))
+        bar = tqdm(total=tp * pp, desc="megatron shards", disable=not progress)
+        for pp_rank in range(pp):
+            plan = StagePlan.for_rank(num_layers, pp, pp_rank)
+            for t in range(tp):
+                tensors = {name: x.to(dtype).contiguous() for name, x in hf_to_mcore(reader.get, rules, dims, plan, tp, t)}
+                file = os.path.join(out, tag, "model", f"tp{t:02d}_pp{pp_rank:03d}.safetensors")
+                save_file(tensors, file)
+                if print_structure:
+                    _print_file(file, tensors)
+                del tensors
+                bar.update(1)
+        bar.close()
+        write_meta(os.path.join(out, tag, "meta.json"), {
+            "format": FORMAT, "iteration": 0, "tp": tp, "pp": pp, "dp": dp, "vpp": None, "world_size": tp * pp * dp,
+            "distributed_optimizer": use_distributed_optimizer, "model_only": True, "family": family.name,
+            "lm_head": True, "make_vocab_size_divisible_by": make_vocab_size_divisible_by, "hf_config": cfg.to_dict(),
+        })
+        point_latest(out, tag)
+    return save_path
+
+
+def write_hf(reader: MegatronReader, save_path: str, max_shard_size: str = "10GB", params_dtype: Optional[str] = None,
+             tokenizer_name: Optional[str] = None, overwrite: bool = False, print_structure: bool = False,
+             progress: bool = True) -> str:
+    """Write a Megatron checkpoint as an HF folder: sharded safetensors, config, tokenizer."""
+    limit = parse_size(max_shard_size)
+    dtype = _dtype(params_dtype)
+    cfg, family = reader.config, reader.family
+    lm_head = reader.meta["lm_head"]
+    if tokenizer_name is not None and not os.path.isdir(tokenizer_name):
+        raise MegatronPluginConfigError("--tokenizer_name", tokenizer_name, "pass a local tokenizer folder")
+    with staged_output(save_path, overwrite) as out:
+        shards, current, size, total = [], {}, 0, 0
+
+        def flush():
+            nonlocal current, size
+            if current:
+                file = os.path.join(out, f"shard-{len(shards):05d}.tmp")
+                save_file(current, file, metadata={"format": "pt"})
+                shards.append((file, list(current)))
+                if print_structure:
+                    _print_file(file, current)
+                current, size = {}, 0
+
+        for name in tqdm(reader.names, desc="HF tensors", disable=not progress):
+            x = reader.get(name)
+            x = (x.to(dtype) if dtype else x).contiguous()
+            out_name = name if lm_head else name[len(family.base_prefix):]
+            nbytes = x.numel() * x.element_size()
+            if current and size + nbytes > limit:
+                flush()
+            current[out_name] = x
+            size += nbytes
+            total += nbytes
+        flush()
+        weight_map = {}
+        for i, (file, names) in enumerate(shards):
+            final = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            os.replace(file, os.path.join(out, final))
+            weight_map.update(dict.fromkeys(names, final))
+        if len(shards) > 1:
+            with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
+                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+        cfg.architectures = [family.lm_head_class if lm_head else family.base_class]
+        cfg.save_pretrained(out)
+        if tokenizer_name is not None:
+            from transformers import AutoTokenizer
+
+            AutoTokenizer.from_pretrained(tokenizer_name).save_pretrained(out)
+    return save_path
+
+
+def _print_file(file, tensors):
+    print(f"== {os.path.basename(file)}")
+    for name, x in tensors.items():
+        print(f"   {name}: {tuple(x.shape)} {str(x.dtype).replace('torch.', '')}")
+
+
+def convert_hf_to_megatron(load_path: str, save_path: str, **kwargs) -> str:
+    return write_megatron(HFReader(load_path), save_path, **kwargs)
+
+
+def reshape_megatron(load_path: str, save_path: str, **kwargs) -> str:
+    return write_megatron(MegatronReader(load_path), save_path, **kwargs)
+
+
+def convert_megatron_to_hf(load_path: str, save_path: str, **kwargs) -> str:
+    return write_hf(MegatronReader(load_path), save_path, **kwargs)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="megatron-convert-checkpoint", description=__doc__.splitlines()[0])
+    p.add_argument("--convert_checkpoint_from_megatron_to_transformers", action="store_true",
+                   help="Megatron -> HF; without it: HF -> Megatron, or Megatron -> Megatron when --load_path is one")
+    p.add_argument("--load_path", required=True)
+    p.add_argument("--save_path", required=True)
+    p.add_argument("--target_tensor_model_parallel_size", type=int, default=1)
+    p.add_argument("--target_pipeline_model_parallel_size", type=int, default=1)
+    p.add_argument("--target_data_parallel_size", type=int, default=1)
+    p.add_argument("--target_params_dtype", default=None, help="fp32, fp16 or bf16 (default: as stored)")
+    p.add_argument("--make_vocab_size_divisible_by", type=int, default=128)
+    p.add_argument("--use_distributed_optimizer", action="store_true")
+    p.add_argument("--max_shard_size", default="10GB")
+    p.add_argument("--tokenizer_name", default=None, help="a local tokenizer folder to copy into the HF output")
+    p.add_argument("--print-checkpoint-structure", dest="print_checkpoint_structure", action="store_true")
+    p.add_argument("--overwrite", action="store_true", help="replace a non-empty --save_path")
+    p.add_argument("--no_progress", action="store_true")
+    return p
+
+
+def main(argv=None) -> int:
+    a = build_parser().parse_args(argv)
+    common = dict(overwrite=a.overwrite, print_structure=a.print_checkpoint_structure, progress=not a.no_progress)
+    try:
+        if a.convert_checkpoint_from_megatron_to_transformers:
+            convert_megatron_to_hf(a.load_path, a.save_path, max_shard_size=a.max_shard_size,
+                                   params_dtype=a.target_params_dtype, tokenizer_name=a.tokenizer_name, **common)
+        else:
+            kwargs = dict(tp=a.target_tensor_model_parallel_size, pp=a.target_pipeline_model_parallel_size,
+                          dp=a.target_data_parallel_size, params_dtype=a.target_params_dtype or "fp32",
+                          make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
+                          use_distributed_optimizer=a.use_distributed_optimizer, **common)
+            if is_megatron_checkpoint(a.load_path):
+                reshape_megatron(a.load_path, a.save_path, **kwargs)
+            else:
+                convert_hf_to_megatron(a.load_path, a.save_path, **kwargs)
+    except MegatronPluginConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(f"wrote {a.save_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""Reading HF folders and Megatron checkpoints one tensor at a time, and writing outputs safely."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+import tempfile
+from typing import Callable, Dict, List, Tuple
+
+import torch
+from safetensors import safe_open
+
+from megatron_plugin.errors import MegatronPluginConfigError
+from megatron_plugin.models import get_family
+from megatron_plugin.models.mapping import StagePlan, TRANSFORMS, expand, unshard
+
+DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def hf_config_from_dict(d: dict):
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    model_type = d.get("model_type")
+    if model_type not in CONFIG_MAPPING:
+        raise MegatronPluginConfigError("model_type", model_type, "the checkpoint's config names no model type transformers knows")
+    return CONFIG_MAPPING[model_type].from_dict(d)
+
+
+class HFReader:
+    """An HF model folder: config.json plus safetensors (single or sharded) or pytorch_model.bin files.
+    `get(name)` reads one tensor; safetensors are memory-mapped, so only that tensor is loaded."""
+
+    def __init__(self, path: str):
+        if not os.path.isdir(path):
+            raise MegatronPluginConfigError("--load_path", path, "no such folder: pass an HF model folder")
+        cfg = os.path.join(path, "config.json")
+        if not os.path.exists(cfg):
+            raise MegatronPluginConfigError("--load_path", path, "no config.json there: pass an HF model folder")
+        with open(cfg) as f:
+            self.config = hf_config_from_dict(json.load(f))
+        self.family = get_family(self.config)
+        self.path = path
+        self._where: Dict[str, str] = {}
+        self._bin_cache: Tuple[str, dict] = ("", {})
+        for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                                   ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+            index = os.path.join(path, index_name)
+            if os.path.exists(index):
+                with open(index) as f:
+                    self._where = {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+                break
+            if os.path.exists(os.path.join(path, single)):
+                file = os.path.join(path, single)
+                self._where = {k: file for k in self._keys(file)}
+                break
+        if not self._where:
+            raise MegatronPluginConfigError(
+                "--load_path", path, "no model.safetensors(.index.json) or pytorch_model.bin(.index.json) there"
+            )
+        for file in set(self._where.values()):
+            if not os.path.exists(file):
+                raise MegatronPluginConfigError("--load_path", path, f"the index names {os.path.basename(file)}, which is missing")
+        # Base-model checkpoints (and old GPT-2 ones) name tensors without the LM model's prefix.
+        prefix = self.family.base_prefix
+        self._alias = {}
+        for k in self._where:
+            if k.startswith(prefix) or k.startswith("lm_head."):
+                self._alias[k] = k
+            else:
+                self._alias[prefix + k] = k
+
+    @staticmethod
+    def _keys(file: str) -> List[str]:
+        if file.endswith(".safetensors"):
+            with _open_safetensors(file) as f:
+                return list(f.keys())
+        return list(_load_bin(file).keys())
+
+    @property
+    def names(self) -> List[str]:
+        return list(self._alias)
+
+    def get(self, name: str) -> torch.Tensor:
+        if name not in self._alias:
+            raise KeyError(f"{self.path} has no tensor {name}")
+        key = self._alias[name]
+        file = self._where[key]
+        if file.endswith(".safetensors"):
+            with _open_safetensors(file) as f:
+                return f.get_tensor(key)
+        if self._bin_cache[0] != file:  # .bin shards load whole; keep one at a time
+            self._bin_cache = (file, _load_bin(file))
+        return self._bin_cache[1][key]
+
+
+@contextlib.contextmanager
+def _open_safetensors(file: str):
+    try:
+        handle = safe_open(file, framework="pt")
+    except Exception as err:
+        raise MegatronPluginConfigError("--load_path", file, f"cannot read this safetensors file ({err}); is it complete?") from None
+    yield handle
+
+
+def _load_bin(file: str) -> dict:
+    try:
+        return torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as err:
+        raise MegatronPluginConfigError("--load_path", file, f"cannot read this .bin file ({err}); is it complete?") from None
+
+
+class MegatronReader:
+    """A checkpoint written by `accelerator.save_state` or by this package, at any TP/PP/virtual stages.
+    `get(name)` rebuilds one HF tensor from the TP shards of the stage that holds it."""
+
+    def __init__(self, path: str):
+        from megatron_plugin.checkpoint import resolve_checkpoint
+
+        self.ckpt = resolve_checkpoint(path)
+        with open(os.path.join(self.ckpt, "meta.json")) as f:
+            self.meta = json.load(f)
+        self.config = hf_config_from_dict(self.meta["hf_config"])
+        self.family = get_family(self.config)
+        from megatron_plugin.models.gpt import padded_vocab_size
+
+        tp = self.meta["tp"]
+        self.dims = self.family.dims(self.config, padded_vocab_size(self.config.vocab_size, self.meta["make_vocab_size_divisible_by"], tp))
+        rules = self.family.rules(self.config, self.family.tied_embeddings(self.config), self.meta["lm_head"])
+        num_layers = self.family.transformer_config(self.config)["num_layers"]
+        vpp = self.meta.get("vpp") or 1
+        self._source: Dict[str, tuple] = {}
+        for pp in range(self.meta["pp"]):
+            for vp in range(vpp):
+                plan = StagePlan.for_rank(num_layers, self.meta["pp"], pp, vp, vpp)
+                prefix = f"chunk{vp}." if vpp > 1 else ""
+                for rule, hf_names, mcore_name in expand(rules, plan):
+                    if rule.stage == "tied_output":
+                        continue
+                    for i, n in enumerate(hf_names):
+                        self._source[n] = (rule, prefix + mcore_name, pp, i)
+        self.names = list(self._source)
+        self._cache: Tuple[str, List[torch.Tensor]] = ("", [])
+        for pp in range(self.meta["pp"]):
+            for t in range(tp):
+                if not os.path.exists(self._file(t, pp)):
+                    raise MegatronPluginConfigError("--load_path", path, f"shard {os.path.basename(self._file(t, pp))} is missing")
+
+    def _file(self, tp_rank: int, pp_rank: int) -> str:
+        return os.path.join(self.ckpt, "model", f"tp{tp_rank:02d}_pp{pp_rank:03d}.safetensors")
+
+    def get(self, name: str) -> torch.Tensor:
+        rule, mcore_name, pp, index = self._source[name]
+        key = f"{pp}/{mcore_name}"
+        if self._cache[0] != key:  # q/k/v of one fused tensor are asked for in turn: rebuild it once
+            shards = []
+            for t in range(self.meta["tp"]):
+                with _open_safetensors(self._file(t, pp)) as f:
+                    shards.append(f.get_tensor(mcore_name))
+            self._cache = (key, TRANSFORMS[rule.transform].to_hf(unshard(shards, rule), self.dims))
+        return self._cache[1][index]
+
+
+@contextlib.contextmanager
+def staged_output(save_path: str, overwrite: bool):
+    """Yield a temporary folder beside `save_path`; on success it replaces `save_path`, on failure it
+    is removed, so `save_path` is never left half-written."""
+    save_path = os.path.abspath(save_path)
+    if os.path.exists(save_path) and (not os.path.isdir(save_path) or os.listdir(save_path)) and not overwrite:
+        raise MegatronPluginConfigError("--save_path", save_path, "exists and is not empty: choose another, or pass --overwrite")
+    parent = os.path.dirname(save_path)
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(save_path)}.partial-", dir=parent)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if os.path.exists(save_path):
+        shutil.rmtree(save_path)
+    os.replace(tmp, save_path)
+
+
+def parse_size(text: str) -> int:
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]?i?B)?\s*", str(text), re.IGNORECASE)
+    if not m:
+        raise MegatronPluginConfigError("--max_shard_size", text, "use a size such as 200MB or 5GB")
+    unit = (m.group(2) or "B").upper().replace("I", "")
+    return int(float(m.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[unit])
