@@ -79,7 +79,7 @@ class MegatronEngine(torch.nn.Module):
                 f"a batch of {size} samples does not split into {n} micro-batches: use drop_last=True in the "
                 "DataLoader, or a batch size that is a multiple of num_micro_batches",
             )
-        batch = {k: v.to(self.device) if torch.is_tensor(v) else v for k, v in batch.items()}
+        batch = {k: v.to(self.device) for k, v in batch.items() if torch.is_tensor(v)}
         return [{k: v.chunk(n)[i] for k, v in batch.items()} for i in range(n)]
 
     def _autocast(self):

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Optional
 
 from .errors import MegatronPluginConfigError
 
@@ -92,9 +92,6 @@ class MegatronLMPlugin:
     num_layers_per_virtual_pipeline_stage: Optional[int] = field(
         default=None, metadata={"help": "layers per virtual stage; setting it turns on the interleaved schedule"}
     )
-    pipeline_model_parallel_split_rank: Optional[int] = field(
-        default=None, metadata={"help": "encoder/decoder split rank (T5); unused for GPT"}
-    )
     seq_length: Optional[int] = field(default=None, metadata={"help": "sequence length; default: the model's positions"})
     make_vocab_size_divisible_by: int = field(
         default=128, metadata={"help": "pad the vocabulary to a multiple of this times tp_degree"}
@@ -111,6 +108,7 @@ class MegatronLMPlugin:
     lr_decay_style: str = field(default="linear", metadata={"help": "'constant', 'linear' or 'cosine'"})
     min_lr: float = field(default=0.0, metadata={"help": "the learning rate at the end of decay"})
     lr_decay_iters: Optional[int] = field(default=None, metadata={"help": "decay steps; default: total_num_steps"})
+    # read by training scripts (the guide's indexed-dataset loop), not by the plugin
     eval_iters: int = field(default=100, metadata={"help": "eval batches, for scripts that loop on it"})
     eval_interval: int = field(default=1000, metadata={"help": "steps between evals, for scripts that loop on it"})
     custom_train_step_class: Optional[type] = field(
@@ -119,8 +117,9 @@ class MegatronLMPlugin:
     custom_train_step_kwargs: dict = field(
         default_factory=dict, metadata={"help": "keyword arguments passed to custom_train_step_class"}
     )
-    custom_loss_function: Optional[Callable] = field(default=None, metadata={"help": "overrides the train step's loss"})
-    megatron_dataset_flag: bool = field(default=False, metadata={"help": "the dataloaders are Megatron indexed datasets"})
+    megatron_dataset_flag: bool = field(
+        default=False, metadata={"help": "the dataloaders are Megatron indexed datasets (not supported yet)"}
+    )
     other_megatron_args: dict = field(
         default_factory=dict, metadata={"help": "extra TransformerConfig fields, e.g. {'attention_dropout': 0.0}"}
     )
@@ -161,6 +160,11 @@ class MegatronLMPlugin:
         if self.make_vocab_size_divisible_by < 1:
             raise MegatronPluginConfigError(
                 "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, "use a whole number >= 1, e.g. 128"
+            )
+        if self.megatron_dataset_flag:
+            raise MegatronPluginConfigError(
+                "megatron_dataset_flag", True,
+                "Megatron indexed datasets are not supported yet: pass torch DataLoaders of HF-style batches",
             )
         if self.lr_decay_style not in ("constant", "linear", "cosine"):
             raise MegatronPluginConfigError("lr_decay_style", self.lr_decay_style, "use 'constant', 'linear' or 'cosine'")

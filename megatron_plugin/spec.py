@@ -1,11 +1,10 @@
 """Layer specs: which implementation fills each slot of a Megatron-Core transformer layer.
 
-One place decides TE versus local modules; the model code never branches on it.
+One place decides which modules fill the slots; the model code never branches on it.
 """
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Optional
 
 from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
@@ -19,11 +18,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
+from .errors import MegatronPluginConfigError
 from .layers import Norm, SDPAttention
-
-
-def transformer_engine_available() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
 
 
 def local_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
@@ -60,19 +56,14 @@ def block_spec(config: TransformerConfig, num_local_layers: int, backend: str = 
     Passing the block (not just the layer) keeps mcore from choosing its own final norm, which would be
     apex's or `WrappedTorchNorm` (no sequence parallelism).
     """
-    if backend == "te":
-        from megatron.core.extensions.transformer_engine import TENorm
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_with_transformer_engine_spec
-
-        layer, final_norm = get_gpt_layer_with_transformer_engine_spec(), TENorm
-    elif backend == "local":
-        layer, final_norm = local_layer_spec(), Norm
-    else:
-        raise ValueError(f"backend={backend!r}: use 'local' or 'te'")
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=final_norm)
+    if backend != "local":
+        # TE's layers fuse the norms into the linears (other parameter names); the HF mapping tables
+        # do not cover them yet, so loading HF weights would fail.
+        raise MegatronPluginConfigError(
+            "backend", backend, "only the 'local' spec (Megatron-Core layers + SDPA attention) is supported so far"
+        )
+    return TransformerBlockSubmodules(layer_specs=[local_layer_spec()] * num_local_layers, layer_norm=Norm)
 
 
 def default_backend(device_type: str, requested: Optional[str] = None) -> str:
-    if requested is not None:
-        return requested
-    return "te" if device_type == "cuda" and transformer_engine_available() else "local"
+    return requested or "local"

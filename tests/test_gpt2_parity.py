@@ -116,3 +116,25 @@ def test_pipeline_stages_hold_their_share_bit_exact(tp, pp):
     assert by_stage[0] | by_stage[1] == set(tiny_gpt2("untied", n_layer=4).state_dict())
     assert "transformer.wte.weight" in by_stage[0] and "lm_head.weight" in by_stage[1]
     assert "transformer.h.0.ln_1.weight" in by_stage[0] and "transformer.h.3.ln_1.weight" in by_stage[1]
+
+
+def _unmapped_worker():
+    from megatron_plugin import MegatronLMPlugin
+    from megatron_plugin.distributed import initialize
+    from megatron_plugin.modeling import MegatronModel
+
+    hf = tiny_gpt2()
+    plugin = MegatronLMPlugin()
+    initialize(plugin, hf.config)
+    model = MegatronModel(hf.config, plugin)
+    state = dict(hf.state_dict(), **{"transformer.h.0.attn.extra_proj.weight": torch.zeros(2)})
+    try:
+        model.load_hf_state_dict(state)
+    except KeyError as err:
+        return str(err)
+    return None
+
+
+def test_hf_weights_outside_the_mapping_are_refused():
+    (msg,) = run_on_ranks(_unmapped_worker, 1)
+    assert msg is not None and "extra_proj" in msg

@@ -123,3 +123,12 @@ def test_unknown_other_megatron_args():
 def test_unsupported_activation(clean_env):
     with pytest.raises(MegatronPluginConfigError, match="activation_function='silu'"):
         initialize(MegatronLMPlugin(), gpt2_config(activation_function="silu"))
+
+
+def test_unsupported_features_are_refused(clean_env):
+    with pytest.raises(MegatronPluginConfigError, match="indexed datasets"):
+        MegatronLMPlugin(megatron_dataset_flag=True)
+    from megatron_plugin.spec import block_spec
+
+    with pytest.raises(MegatronPluginConfigError, match="backend='te'"):
+        block_spec(None, 2, backend="te")
