@@ -161,6 +161,12 @@ class MegatronEngine(torch.nn.Module):
         return norm
 
     # -- conveniences -----------------------------------------------------------------------------
+    def megatron_generate(self, inputs, attention_mask=None, **kwargs):
+        """Generate with the tensor-parallel model (see `megatron_plugin.generation`)."""
+        from .generation import megatron_generate
+
+        return megatron_generate(self, inputs, attention_mask, **kwargs)
+
     def hf_state_dict(self):
         """The full HF state dict of this pipeline stage (collective over the TP group)."""
         return self.model.hf_state_dict()
