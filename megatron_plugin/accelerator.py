@@ -131,13 +131,13 @@ class Accelerator(accelerate.Accelerator):
             check_cpu_support(plugin)
         for dl in loaders:
             check_dataloader(dl, plugin, plugin.data_parallel_size(self.num_processes))
+        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
+        if dtype is torch.float16 and self.device.type == "cpu":
+            raise MegatronPluginConfigError("mixed_precision", "fp16", "fp16 needs CUDA; use 'bf16' or 'no' on CPU")
         micro_sizes = {dl.batch_size for dl in loaders}
         hf_model = models[0]
         layout = initialize(plugin, hf_model.config)
 
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
-        if dtype is torch.float16 and self.device.type == "cpu":
-            raise MegatronPluginConfigError("mixed_precision", "fp16", "fp16 needs CUDA; use 'bf16' or 'no' on CPU")
         chunks = MegatronModel.chunks_from_hf(
             hf_model, plugin, params_dtype=dtype if (dtype is not None and self.device.type == "cuda") else torch.float32
         )
@@ -160,10 +160,9 @@ class Accelerator(accelerate.Accelerator):
             inner = rebuild_optimizer(optimizers[0], hf_model, names, mcore_params)
             sched = build_scheduler(schedulers[0], inner, plugin) if schedulers else None
             engine = MegatronEngine(chunks, inner, sched, plugin, step, layout.device, autocast_dtype=dtype)
-        inner_opt, inner_sched = engine.optimizer, engine.scheduler
         self._engine = engine
-        opt_wrapper = MegatronLMOptimizerWrapper(inner_opt, engine) if inner_opt else None
-        sched_wrapper = MegatronLMSchedulerWrapper(inner_sched, inner_opt) if inner_sched else None
+        opt_wrapper = MegatronLMOptimizerWrapper(engine.optimizer, engine)
+        sched_wrapper = MegatronLMSchedulerWrapper(engine.scheduler, engine.optimizer) if engine.scheduler else None
 
         out = []
         for a in args:
@@ -180,8 +179,7 @@ class Accelerator(accelerate.Accelerator):
             else:
                 out.append(a)
         self._models.append(engine)
-        if opt_wrapper:
-            self._optimizers.append(opt_wrapper)
+        self._optimizers.append(opt_wrapper)
         if sched_wrapper:
             self._schedulers.append(sched_wrapper)
         return out[0] if len(out) == 1 else tuple(out)
