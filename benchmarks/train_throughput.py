@@ -147,7 +147,7 @@ def drive(args):
             rows.append(row)
             print(json.dumps(row), flush=True)
     if rows:
-        print(f"\n| size | mode | GPUs | TPxPP | global batch | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB |")
+        print("\n| size | mode | GPUs | TPxPP | global batch | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB |")
         print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['size']} | {r['mode']} | {r['gpus']} | {r['tp']}x{r['pp']} | {r['global_batch']} | {r['tok_s']:,} | "

@@ -26,11 +26,11 @@ from typing import Optional
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from megatron_plugin.checkpoint import FORMAT, point_latest, write_meta
+from megatron_plugin.checkpoint import checkpoint_meta, point_latest, shard_name, write_meta
+from megatron_plugin.convert import model_dims
 from megatron_plugin.errors import MegatronPluginConfigError
 from megatron_plugin.models import check_model
-from megatron_plugin.models.gpt import padded_vocab_size
-from megatron_plugin.models.mapping import StagePlan, expand, hf_to_mcore
+from megatron_plugin.models.mapping import StagePlan, hf_to_mcore
 from megatron_plugin.plugin import MegatronLMPlugin
 
 from .io import DTYPES, HFReader, MegatronReader, parse_size, staged_output
@@ -57,14 +57,12 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
     plugin.validate(world_size=tp * pp * dp)
     check_model(plugin, cfg)
     dtype = _dtype(params_dtype)
-    tied = family.tied_embeddings(cfg)
-    rules = family.rules(cfg, tied, True)
-    num_layers = family.transformer_config(cfg)["num_layers"]
-    needed = {n for _, names, _ in expand(rules, StagePlan.single(num_layers)) for n in names}
-    missing = sorted(needed - set(reader.names))
+    rules = family.table(cfg, True)
+    num_layers = family.num_layers(cfg)
+    missing = sorted(family.mapped_hf_names(cfg, True) - set(reader.names))
     if missing:
         raise MegatronPluginConfigError("--load_path", getattr(reader, "path", reader), f"lacks tensors {missing[:5]}")
-    dims = family.dims(cfg, padded_vocab_size(cfg.vocab_size, make_vocab_size_divisible_by, tp))
+    dims = model_dims(family, cfg, make_vocab_size_divisible_by, tp)
     tag = "iter_0000000"
     with staged_output(save_path, overwrite) as out:
         os.makedirs(os.path.join(out, tag, "model"))
@@ -73,18 +71,18 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
             plan = StagePlan.for_rank(num_layers, pp, pp_rank)
             for t in range(tp):
                 tensors = {name: x.to(dtype).contiguous() for name, x in hf_to_mcore(reader.get, rules, dims, plan, tp, t)}
-                file = os.path.join(out, tag, "model", f"tp{t:02d}_pp{pp_rank:03d}.safetensors")
+                file = os.path.join(out, tag, "model", f"{shard_name(t, pp_rank)}.safetensors")
                 save_file(tensors, file)
                 if print_structure:
                     _print_file(file, tensors)
                 del tensors
                 bar.update(1)
         bar.close()
-        write_meta(os.path.join(out, tag, "meta.json"), {
-            "format": FORMAT, "iteration": 0, "tp": tp, "pp": pp, "dp": dp, "vpp": None, "world_size": tp * pp * dp,
-            "distributed_optimizer": use_distributed_optimizer, "model_only": True, "family": family.name,
-            "lm_head": True, "make_vocab_size_divisible_by": make_vocab_size_divisible_by, "hf_config": cfg.to_dict(),
-        })
+        write_meta(os.path.join(out, tag, "meta.json"), checkpoint_meta(
+            iteration=0, tp=tp, pp=pp, dp=dp, vpp=None, distributed_optimizer=use_distributed_optimizer,
+            model_only=True, family=family.name, lm_head=True,
+            make_vocab_size_divisible_by=make_vocab_size_divisible_by, hf_config=cfg.to_dict(),
+        ))
         point_latest(out, tag)
     return save_path
 

@@ -8,11 +8,13 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Callable, Dict, List, Tuple
+from typing import Dict, List, Tuple
 
 import torch
 from safetensors import safe_open
 
+from megatron_plugin.checkpoint import chunk_key, resolve_checkpoint, shard_name
+from megatron_plugin.convert import model_dims
 from megatron_plugin.errors import MegatronPluginConfigError
 from megatron_plugin.models import get_family
 from megatron_plugin.models.mapping import StagePlan, TRANSFORMS, expand, unshard
@@ -117,30 +119,25 @@ class MegatronReader:
     `get(name)` rebuilds one HF tensor from the TP shards of the stage that holds it."""
 
     def __init__(self, path: str):
-        from megatron_plugin.checkpoint import resolve_checkpoint
-
         self.ckpt = resolve_checkpoint(path)
         with open(os.path.join(self.ckpt, "meta.json")) as f:
             self.meta = json.load(f)
         self.config = hf_config_from_dict(self.meta["hf_config"])
         self.family = get_family(self.config)
-        from megatron_plugin.models.gpt import padded_vocab_size
-
         tp = self.meta["tp"]
-        self.dims = self.family.dims(self.config, padded_vocab_size(self.config.vocab_size, self.meta["make_vocab_size_divisible_by"], tp))
-        rules = self.family.rules(self.config, self.family.tied_embeddings(self.config), self.meta["lm_head"])
-        num_layers = self.family.transformer_config(self.config)["num_layers"]
+        self.dims = model_dims(self.family, self.config, self.meta["make_vocab_size_divisible_by"], tp)
+        rules = self.family.table(self.config, self.meta["lm_head"])
+        num_layers = self.family.num_layers(self.config)
         vpp = self.meta.get("vpp") or 1
         self._source: Dict[str, tuple] = {}
         for pp in range(self.meta["pp"]):
             for vp in range(vpp):
                 plan = StagePlan.for_rank(num_layers, self.meta["pp"], pp, vp, vpp)
-                prefix = f"chunk{vp}." if vpp > 1 else ""
                 for rule, hf_names, mcore_name in expand(rules, plan):
                     if rule.stage == "tied_output":
                         continue
                     for i, n in enumerate(hf_names):
-                        self._source[n] = (rule, prefix + mcore_name, pp, i)
+                        self._source[n] = (rule, chunk_key(vp, vpp, mcore_name), pp, i)
         self.names = list(self._source)
         self._cache: Tuple[str, List[torch.Tensor]] = ("", [])
         for pp in range(self.meta["pp"]):
@@ -149,7 +146,7 @@ class MegatronReader:
                     raise MegatronPluginConfigError("--load_path", path, f"shard {os.path.basename(self._file(t, pp))} is missing")
 
     def _file(self, tp_rank: int, pp_rank: int) -> str:
-        return os.path.join(self.ckpt, "model", f"tp{tp_rank:02d}_pp{pp_rank:03d}.safetensors")
+        return os.path.join(self.ckpt, "model", f"{shard_name(tp_rank, pp_rank)}.safetensors")
 
     def get(self, name: str) -> torch.Tensor:
         rule, mcore_name, pp, index = self._source[name]

@@ -35,11 +35,33 @@ LATEST = "latest"
 FORMAT = "megatron_plugin/1"
 
 
+def shard_name(tp_rank: int, pp_rank: int) -> str:
+    """The stem of one model-parallel rank's files (model/<stem>.safetensors, optimizer/<stem>_...)."""
+    return f"tp{tp_rank:02d}_pp{pp_rank:03d}"
+
+
+def chunk_key(chunk: int, num_chunks: int, name: str) -> str:
+    """A tensor's name in a model file: chunk i's names get `chunk{i}.` when a rank holds several."""
+    return f"chunk{chunk}.{name}" if num_chunks > 1 else name
+
+
+def checkpoint_meta(*, iteration, tp, pp, dp, vpp, distributed_optimizer, model_only, family, lm_head,
+                    make_vocab_size_divisible_by, hf_config) -> dict:
+    """meta.json, the same keys for checkpoints of runs and of checkpoint_utils."""
+    return {
+        "format": FORMAT, "iteration": iteration, "tp": tp, "pp": pp, "dp": dp, "world_size": tp * pp * dp,
+        "vpp": vpp, "distributed_optimizer": distributed_optimizer, "model_only": model_only, "family": family,
+        "lm_head": lm_head, "make_vocab_size_divisible_by": make_vocab_size_divisible_by, "hf_config": hf_config,
+    }
+
+
 def _rank_names():
-    tp = parallel_state.get_tensor_model_parallel_rank()
-    pp = parallel_state.get_pipeline_model_parallel_rank()
-    dp = parallel_state.get_data_parallel_rank()
-    return f"tp{tp:02d}_pp{pp:03d}", dp
+    name = shard_name(parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
+    return name, parallel_state.get_data_parallel_rank()
+
+
+def _vpp(engine):
+    return len(engine.chunks) if len(engine.chunks) > 1 else None
 
 
 def _atomic_write_text(path: str, text: str) -> None:
@@ -52,14 +74,14 @@ def _atomic_write_text(path: str, text: str) -> None:
 
 
 def _model_tensors(engine) -> dict:
-    """Every chunk's tensors, chunk i's names prefixed `chunk{i}.` when there are several."""
-    many = len(engine.chunks) > 1
-    out = {}
-    for i, chunk in enumerate(engine.chunks):
-        for k, v in chunk.module.state_dict().items():
-            if not k.endswith("_extra_state"):
-                out[f"chunk{i}.{k}" if many else k] = v.detach().contiguous().cpu()
-    return out
+    """Every chunk's tensors, named by `chunk_key`."""
+    n = len(engine.chunks)
+    return {
+        chunk_key(i, n, k): v.detach().contiguous().cpu()
+        for i, chunk in enumerate(engine.chunks)
+        for k, v in chunk.module.state_dict().items()
+        if not k.endswith("_extra_state")
+    }
 
 
 def _rng_state(engine) -> dict:
@@ -120,31 +142,29 @@ def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer
     torch.save(_rng_state(engine), os.path.join(staging, "rng", f"rank{rank:05d}.pt"))
     if rank == 0 and engine.scheduler is not None:
         torch.save(engine.scheduler.state_dict(), os.path.join(staging, "scheduler.pt"))
+    if rank == 0:
         for i, obj in enumerate(custom_objects):
             torch.save(obj.state_dict(), os.path.join(staging, "custom", f"{i}.pt"))
     dist.barrier()
 
     final = os.path.join(output_dir, tag)
     if rank == 0:
-        meta = {
-            "format": FORMAT,
-            "iteration": engine.iteration,
-            "tp": parallel_state.get_tensor_model_parallel_world_size(),
-            "pp": parallel_state.get_pipeline_model_parallel_world_size(),
-            "dp": parallel_state.get_data_parallel_world_size(),
-            "world_size": dist.get_world_size(),
-            "distributed_optimizer": distributed_optimizer,
-            "vpp": len(engine.chunks) if len(engine.chunks) > 1 else None,
-            "model_only": False,
-            "family": engine.model.family.name,
-            "lm_head": engine.model.lm_head,
-            "make_vocab_size_divisible_by": engine.plugin.make_vocab_size_divisible_by,
-            "hf_config": engine.model.hf_config.to_dict(),
-        }
-        _atomic_write_text(os.path.join(staging, "meta.json"), json.dumps(meta, indent=2))
+        write_meta(os.path.join(staging, "meta.json"), checkpoint_meta(
+            iteration=engine.iteration,
+            tp=parallel_state.get_tensor_model_parallel_world_size(),
+            pp=parallel_state.get_pipeline_model_parallel_world_size(),
+            dp=parallel_state.get_data_parallel_world_size(),
+            vpp=_vpp(engine),
+            distributed_optimizer=distributed_optimizer,
+            model_only=False,
+            family=engine.model.family.name,
+            lm_head=engine.model.lm_head,
+            make_vocab_size_divisible_by=engine.plugin.make_vocab_size_divisible_by,
+            hf_config=engine.model.hf_config.to_dict(),
+        ))
         os.replace(staging, final)
         previous = read_latest(output_dir)
-        _atomic_write_text(os.path.join(output_dir, LATEST), tag)
+        point_latest(output_dir, tag)
         if previous and previous != tag:
             shutil.rmtree(os.path.join(output_dir, previous), ignore_errors=True)
     dist.barrier()
@@ -180,7 +200,7 @@ def load_state(input_dir: str, engine, custom_objects=()) -> dict:
         meta = json.load(f)
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    vpp = len(engine.chunks) if len(engine.chunks) > 1 else None
+    vpp = _vpp(engine)
     if (meta["tp"], meta["pp"], meta.get("vpp")) != (tp, pp, vpp):
         raise MegatronPluginConfigError(
             "tp_degree/pp_degree/virtual stages", f"{tp}/{pp}/{vpp}",
@@ -189,14 +209,12 @@ def load_state(input_dir: str, engine, custom_objects=()) -> dict:
         )
     name, dp_rank = _rank_names()
     tensors = load_file(os.path.join(ckpt, "model", f"{name}.safetensors"))
-    many = len(engine.chunks) > 1
     with torch.no_grad():
         for i, chunk in enumerate(engine.chunks):
-            state = chunk.module.state_dict()
-            for k, dest in state.items():
+            for k, dest in chunk.module.state_dict().items():
                 if k.endswith("_extra_state"):
                     continue
-                key = f"chunk{i}.{k}" if many else k
+                key = chunk_key(i, len(engine.chunks), k)
                 if key not in tensors:
                     raise KeyError(f"checkpoint {ckpt} lacks model tensor {key}")
                 dest.copy_(tensors[key])

@@ -9,7 +9,6 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from .errors import MegatronPluginConfigError
 from .models import ModelFamily
 from .models.gpt import padded_vocab_size
 from .models.mapping import Dims, StagePlan, expand, hf_to_mcore, mcore_to_hf
@@ -51,7 +50,7 @@ def load_hf_into_mcore(
     """Fill every parameter of `model` (one TP/PP rank) from HF tensors. Raises if any Megatron
     parameter stays unfilled or any HF weight is left unused, so a mapping gap can't pass silently."""
     target = _mcore_state(model)
-    rules = family.rules(hf_config, family.tied_embeddings(hf_config), lm_head)
+    rules = family.table(hf_config, lm_head)
     filled, used = set(), set()
 
     def get_and_track(name):
@@ -70,8 +69,7 @@ def load_hf_into_mcore(
     if missing:
         raise KeyError(f"Megatron tensors not filled from the HF checkpoint: {missing}")
     # Any HF weight the mapping never names (for any stage) would be silently dropped: refuse instead.
-    whole = StagePlan.single(family.transformer_config(hf_config)["num_layers"])
-    mapped = {n for _, names, _ in expand(rules, whole) for n in names}
+    mapped = family.mapped_hf_names(hf_config, lm_head)
     tied_head = "lm_head.weight" if family.tied_embeddings(hf_config) else None
     unused = sorted(n for n in hf_names if n not in mapped and n != tied_head and not _IGNORED_HF.search(n))
     if unused:
@@ -96,7 +94,7 @@ def gather_hf_state_dict(
     group = group or parallel_state.get_tensor_model_parallel_group()
     tp = dist.get_world_size(group)
     local = _mcore_state(model)
-    rules = family.rules(hf_config, family.tied_embeddings(hf_config), lm_head)
+    rules = family.table(hf_config, lm_head)
 
     def shards(name, rule):
         mine = (local[name].grad if grads else local[name]).detach().contiguous()
@@ -112,7 +110,7 @@ def gather_hf_state_dict(
 def mcore_to_hf_names(family: ModelFamily, hf_config, plan: StagePlan, lm_head: bool) -> Dict[str, str]:
     """Megatron parameter name -> the (first) HF parameter it is made from, named as in the HF model
     the user passed (base models without `family.base_prefix`)."""
-    rules = family.rules(hf_config, family.tied_embeddings(hf_config), lm_head)
+    rules = family.table(hf_config, lm_head)
     out = {}
     for _, hf_names, mcore_name in expand(rules, plan):
         name = hf_names[0]

@@ -11,7 +11,6 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from megatron.core import parallel_state
 
 from .errors import MegatronPluginConfigError

@@ -61,7 +61,7 @@ class MegatronModel(torch.nn.Module):
         skip (HF weights are loaded instead). Grad-norm and optimizer code rely on them: set them from
         the mapping table, which knows which tensors are split and along which dimension."""
         params = dict(self.module.named_parameters())
-        rules = self.family.rules(self.hf_config, self.family.tied_embeddings(self.hf_config), self.lm_head)
+        rules = self.family.table(self.hf_config, self.lm_head)
         for rule, _, name in expand(rules, self.plan):
             if name in params:
                 params[name].tensor_model_parallel = rule.tp_dim is not None

@@ -1,7 +1,6 @@
 """megatron_plugin.Accelerator: bad input is refused before any process group exists; eval mode
 returns HF's loss and logits."""
 
-import pytest
 import torch
 from torch.utils.data import DataLoader
 

@@ -1,6 +1,5 @@
 """SDPAttention against an explicit softmax reference: causal, padding masks, grouped-query heads."""
 
-import os
 
 import pytest
 import torch

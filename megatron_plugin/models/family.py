@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
-from .mapping import Dims, Rule
+from .mapping import Dims, Rule, StagePlan, expand
 
 
 @dataclass(frozen=True)
@@ -23,6 +23,18 @@ class ModelFamily:
     base_class: str
     max_positions: Callable[[Any], int]
     tied_embeddings: Callable[[Any], bool] = lambda c: bool(getattr(c, "tie_word_embeddings", True))
+
+    def table(self, hf_config, lm_head: bool) -> List[Rule]:
+        """The mapping table for this config (tied or not) and model class (with or without LM head)."""
+        return self.rules(hf_config, self.tied_embeddings(hf_config), lm_head)
+
+    def num_layers(self, hf_config) -> int:
+        return self.transformer_config(hf_config)["num_layers"]
+
+    def mapped_hf_names(self, hf_config, lm_head: bool) -> set:
+        """Every HF tensor name the table reads, over the whole model."""
+        whole = StagePlan.single(self.num_layers(hf_config))
+        return {n for _, names, _ in expand(self.table(hf_config, lm_head), whole) for n in names}
 
     def dims(self, hf_config, padded_vocab: int) -> Dims:
         tc = self.transformer_config(hf_config)
