@@ -4,7 +4,8 @@ Each measurement runs in its own process (torchrun for several GPUs) and prints 
 driver prints a markdown table. Synthetic tokens, seq 1024, bf16, AdamW, the same global batch for
 every mode.
 
-    python benchmarks/train_throughput.py --sizes 124m,350m --modes megatron,hf_eager,hf_compile
+    python benchmarks/train_throughput.py --sizes 124m,350m
+    python benchmarks/train_throughput.py --sizes 1.5b --num_micro 4        # 4 micro-batches of 4
     python benchmarks/train_throughput.py --sizes 124m --modes megatron --nproc 2 --global_batch 32
 
 FLOPs per token = 6 * N + 12 * L * h * s (N: parameters without position embeddings, counting the
@@ -13,6 +14,7 @@ forward and backward). MFU = achieved FLOP/s / the GPU's dense bf16 peak.
 """
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -48,8 +50,8 @@ def flops_per_token(cfg, seq):
     return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq, n
 
 
-def measure(args):
-    """One mode, one size, in this process; prints a JSON line on the last rank."""
+def build_step(args):
+    """Model, optimizer and data for one mode in this process; returns (step, hf_config, world size)."""
     import torch
     from transformers import GPT2LMHeadModel
 
@@ -62,7 +64,7 @@ def measure(args):
     ids = torch.randint(0, cfg.vocab_size, (args.global_batch, args.seq))
     data = [{"input_ids": x, "labels": x} for x in ids]
 
-    if args.mode == "megatron":
+    if args.mode in ("megatron", "megatron_compile"):
         from torch.utils.data import DataLoader
 
         from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
@@ -71,8 +73,8 @@ def measure(args):
         micro = args.global_batch // (dp * args.num_micro)
         plugin = MegatronLMPlugin(tp_degree=args.tp, pp_degree=args.pp, num_micro_batches=args.num_micro,
                                   sequence_parallelism=args.sp, use_distributed_optimizer=args.distopt,
-                                  recompute_activations=args.recompute, fused_kernels=not args.no_fused,
-                                  torch_compile=args.compile_layers)
+                                  recompute_activations=args.recompute, fused_kernels=args.fused,
+                                  torch_compile=args.mode == "megatron_compile")
         acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16")
         loader = DataLoader(data * (args.steps + args.warmup), batch_size=micro, drop_last=True)
         sched = MegatronLMDummyScheduler(opt, total_num_steps=10 * (args.steps + args.warmup), warmup_num_steps=1)
@@ -92,14 +94,26 @@ def measure(args):
         fwd = torch.compile(model) if args.mode == "hf_compile" else model
         local = args.global_batch // world
         batch = {k: torch.stack([d[k] for d in data[:local]]).cuda() for k in data[0]}
+        # the same micro-batches as the plugin gets: gradient accumulation over num_micro
+        micro_batches = [{k: v.chunk(args.num_micro)[i] for k, v in batch.items()} for i in range(args.num_micro)]
 
         def step():
-            loss = fwd(**batch).loss
-            acc.backward(loss)
+            for i, mb in enumerate(micro_batches):
+                ctx = acc.no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext()
+                with ctx:
+                    acc.backward(fwd(**mb).loss / len(micro_batches))
             acc.clip_grad_norm_(model.parameters(), 1.0)
             opt.step()
             opt.zero_grad(set_to_none=True)
 
+    return step, cfg, world
+
+
+def measure(args):
+    """One mode, one size, in this process; prints a JSON line on the last rank."""
+    import torch
+
+    step, cfg, world = build_step(args)
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
@@ -115,9 +129,10 @@ def measure(args):
     flops = tok_s * per_token / world
     name = torch.cuda.get_device_name()
     variant = args.mode
-    if args.mode == "megatron":
-        variant += "".join(f"+{f}" for f in ("sp", "distopt", "recompute", "compile_layers") if getattr(args, f))
-        variant += "-unfused" if args.no_fused else ""
+    if args.mode.startswith("megatron"):
+        variant += "".join(f"+{f}" for f in ("sp", "distopt", "recompute", "fused") if getattr(args, f))
+    if args.num_micro > 1:
+        variant += f" ({args.num_micro} micro-batches)"
     result = {
         "size": args.size, "mode": variant, "gpus": world, "tp": args.tp, "pp": args.pp,
         "global_batch": args.global_batch, "tok_s": round(tok_s), "tflops_per_gpu": round(flops / 1e12, 1),
@@ -135,7 +150,7 @@ def drive(args):
             cmd = [sys.executable, os.path.abspath(__file__), "--one", "--size", size, "--mode", mode]
             for key in ("seq", "global_batch", "steps", "warmup", "tp", "pp", "num_micro"):
                 cmd += [f"--{key}", str(getattr(args, key))]
-            cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "no_fused", "compile_layers") if getattr(args, flag)]
+            cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused") if getattr(args, flag)]
             if args.nproc > 1:
                 cmd = ["torchrun", "--nproc-per-node", str(args.nproc)] + cmd[1:]
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -155,10 +170,11 @@ def drive(args):
         print(f"\ndevice: {rows[0]['device']}")
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def parser(description=__doc__.splitlines()[0]):
+    p = argparse.ArgumentParser(description=description)
     p.add_argument("--sizes", default="124m,350m")
-    p.add_argument("--modes", default="megatron,hf_eager,hf_compile")
+    p.add_argument("--modes", default="megatron,megatron_compile,hf_eager,hf_compile",
+                   help="megatron (eager layers), megatron_compile (torch_compile=True), hf_eager, hf_compile")
     p.add_argument("--size", default="124m")
     p.add_argument("--mode", default="megatron")
     p.add_argument("--seq", type=int, default=1024)
@@ -172,10 +188,13 @@ def main():
     p.add_argument("--sp", action="store_true")
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--recompute", action="store_true")
-    p.add_argument("--no_fused", action="store_true", help="megatron: without mcore's fused kernels")
-    p.add_argument("--compile_layers", action="store_true", help="megatron: torch.compile each transformer layer")
+    p.add_argument("--fused", action="store_true", help="megatron: MegatronLMPlugin(fused_kernels=True)")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p
+
+
+def main():
+    args = parser().parse_args()
     measure(args) if args.one else drive(args)
 
 

@@ -15,7 +15,7 @@ from typing import Optional
 import accelerate
 import torch
 from accelerate.state import PartialState
-from accelerate.utils import DistributedType
+from accelerate.utils import DistributedType, DynamoBackend
 from torch.utils.data import DataLoader
 
 from . import checkpoint
@@ -61,6 +61,31 @@ def check_cpu_support(plugin: MegatronLMPlugin) -> None:
                 setting, getattr(plugin, setting),
                 f"Megatron-Core's {piece} need CUDA; for a CPU run set {fix} (the GPU engine supports it)",
             )
+
+
+def check_compile(plugin: MegatronLMPlugin, compile_kwargs: Optional[dict], device_type: str) -> None:
+    """Compiled layers run on the CUDA engine without tensor parallelism (see the TP note below)."""
+    if compile_kwargs is None:
+        return
+    setting, value = ("torch_compile", True) if plugin.torch_compile else ("dynamo_backend", compile_kwargs.get("backend"))
+    off = "set torch_compile=False and dynamo_backend 'no' (accelerate config / Accelerator(dynamo_backend=...))"
+    if device_type != "cuda":
+        raise MegatronPluginConfigError(setting, value, f"compiled layers are for the CUDA engine only; for a CPU run {off}")
+    if plugin.tp_degree > 1:
+        # Inside a compiled layer, mcore's tensor-parallel linears (async all-gather / reduce-scatter in
+        # custom autograd functions) trained to wrong losses in our GPU tests (TP=2 + SP).
+        raise MegatronPluginConfigError(
+            setting, value, f"compiled layers are not supported with tp_degree={plugin.tp_degree} yet: {off}, "
+            "or use tp_degree=1 (data/pipeline parallelism compile fine)",
+        )
+
+
+def layer_compile_kwargs(plugin: MegatronLMPlugin, dynamo_plugin) -> Optional[dict]:
+    """torch.compile arguments for the Megatron layers, or None for eager. accelerate's dynamo settings
+    (`accelerate config`, `Accelerator(dynamo_backend=...)`) win over the plugin's plain switch."""
+    if dynamo_plugin is not None and dynamo_plugin.backend != DynamoBackend.NO and not dynamo_plugin.disable:
+        return dynamo_plugin.to_kwargs()
+    return {} if plugin.torch_compile else None
 
 
 class Accelerator(accelerate.Accelerator):
@@ -127,6 +152,8 @@ class Accelerator(accelerate.Accelerator):
             check_scheduler(s)
         for o in optimizers:
             check_optimizer(o)
+        compile_kwargs = layer_compile_kwargs(plugin, getattr(self.state, "dynamo_plugin", None))
+        check_compile(plugin, compile_kwargs, self.device.type)
         if self.device.type == "cpu":
             check_cpu_support(plugin)
         for dl in loaders:
@@ -153,7 +180,7 @@ class Accelerator(accelerate.Accelerator):
             from .gpu_engine import MegatronCoreEngine
 
             engine = MegatronCoreEngine(chunks, optimizers[0], schedulers[0] if schedulers else None, plugin, step,
-                                        layout.device, dtype)
+                                        layout.device, dtype, compile_kwargs=compile_kwargs)
         else:
             mcore_params = dict(model.module.named_parameters())
             names = mcore_to_hf_names(model.family, model.hf_config, model.plan, model.lm_head)

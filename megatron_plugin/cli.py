@@ -53,6 +53,8 @@ QUESTIONS = [
     Question("num_processes", "How many processes (GPUs, or CPU processes) should be used for distributed training? [1]: ",
              1, parse_int),
     Question("mixed_precision", "Do you wish to use FP16 or BF16 (mixed precision)? [NO/fp16/bf16]: ", "no", _precision),
+    Question("compile", "Do you want to compile the Megatron layers with torch.compile (Inductor)? [yes/NO]: ", False,
+             parse_bool, ask_if=lambda a: not a["cpu"]),
 ]
 
 
@@ -79,6 +81,10 @@ def plugin_from_answers(a: dict) -> MegatronLMPlugin:
         from .accelerator import check_cpu_support
 
         check_cpu_support(plugin)
+    if a.get("compile"):
+        from .accelerator import check_compile
+
+        check_compile(plugin, {"backend": "inductor"}, "cpu" if a["cpu"] else "cuda")
     if a["cpu"] and a["mixed_precision"] == "fp16":
         raise MegatronPluginConfigError("mixed_precision", "fp16", "fp16 needs CUDA; answer 'no' or 'bf16' for CPU")
     return plugin
@@ -86,7 +92,8 @@ def plugin_from_answers(a: dict) -> MegatronLMPlugin:
 
 def to_yaml_dict(a: dict) -> dict:
     """accelerate's config file schema (what `accelerate config` writes for Megatron-LM)."""
-    return {
+    extra = {"dynamo_config": {"dynamo_backend": "INDUCTOR"}} if a.get("compile") else {}
+    return extra | {
         "compute_environment": "LOCAL_MACHINE",
         "debug": False,
         "distributed_type": "MEGATRON_LM",
@@ -149,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--gradient_clipping", default=None)
     cfg.add_argument("--num_processes", default=None)
     cfg.add_argument("--mixed_precision", default=None, choices=PRECISIONS)
+    cfg.add_argument("--compile", default=None, help="compile the Megatron layers with torch.compile (GPU): true/false")
     return parser
 
 

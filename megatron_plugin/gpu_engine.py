@@ -21,7 +21,8 @@ from megatron.core.transformer.module import Float16Module
 
 from .engine import MegatronEngine, _average_logs
 from .errors import MegatronPluginConfigError
-from .optimizer import check_optimizer
+from . import foreach_ops
+from .optimizer import check_optimizer, use_fused_adam
 from .scheduler import build_scheduler
 
 
@@ -52,7 +53,8 @@ def optimizer_config(user_opt: torch.optim.Optimizer, plugin, dtype: Optional[to
 
 
 class MegatronCoreEngine(MegatronEngine):
-    def __init__(self, chunks, user_optimizer, dummy_scheduler, plugin, train_step, device, dtype):
+    def __init__(self, chunks, user_optimizer, dummy_scheduler, plugin, train_step, device, dtype,
+                 compile_kwargs: Optional[dict] = None):
         config = chunks[0].config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
@@ -62,14 +64,18 @@ class MegatronCoreEngine(MegatronEngine):
         wrapped = []
         for i, chunk in enumerate(chunks):
             module = chunk.module
-            if plugin.torch_compile:
+            if compile_kwargs is not None:
+                # Per layer (accelerate's "regional compilation"): the layers share one graph, and
+                # pipeline stages, virtual stages and recompute wrap layers, not whole models.
                 for layer in module.decoder.layers:
-                    layer.compile()
+                    layer.compile(**compile_kwargs)
             if dtype is not None:
                 module = Float16Module(config, module)
             # only the first chunk buckets: later chunks' grads are ready last (Megatron-LM does the same)
             wrapped.append(DistributedDataParallel(config, ddp_config, module, disable_bucketing=i > 0))
+        foreach_ops.install()
         optimizer = get_megatron_optimizer(optimizer_config(user_optimizer, plugin, dtype), wrapped)
+        use_fused_adam(optimizer)
         scheduler = build_scheduler(dummy_scheduler, optimizer, plugin) if dummy_scheduler is not None else None
 
         sync = [m.no_sync for m in wrapped]

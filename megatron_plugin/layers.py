@@ -17,16 +17,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from megatron.core.tensor_parallel import RowParallelLinear as _McoreRowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 
-def _rng_context(config: TransformerConfig):
+def _rng_context(config: TransformerConfig, dropout_p: float):
     # Heads differ across TP ranks, so attention dropout must draw from the model-parallel stream
     # (mcore's CUDA RNG tracker). On CPU there is no such tracker; the default generator is used.
-    if torch.cuda.is_available() and not config.sequence_parallel:
+    # Without dropout there is nothing to draw, and the fork (a graph break under torch.compile) is skipped.
+    if dropout_p > 0 and torch.cuda.is_available() and not config.sequence_parallel:
         tracker = tensor_parallel.get_cuda_rng_tracker()
         if tracker.is_initialized():
             return tracker.fork()
@@ -90,11 +92,12 @@ class SDPAttention(MegatronModule):
         else:
             # A single new query during decoding attends to every cached key: not causal.
             is_causal = mask_type == AttnMaskType.causal and sq == key.shape[0]
-        with _rng_context(self.config):
+        dropout_p = self.dropout_p if self.training else 0.0
+        with _rng_context(self.config, dropout_p):
             out = F.scaled_dot_product_attention(
                 q, k, v,
                 attn_mask=attn_mask,
-                dropout_p=self.dropout_p if self.training else 0.0,
+                dropout_p=dropout_p,
                 is_causal=is_causal,
                 scale=self.softmax_scale,
                 enable_gqa=self.groups != self.heads,
@@ -128,3 +131,14 @@ class Norm:
         for param in norm.parameters():
             param.sequence_parallel = config.sequence_parallel
         return norm
+
+
+class RowParallelLinear(_McoreRowParallelLinear):
+    """mcore 0.16's RowParallelLinear hands `tp_group=None` to its matmul, which then raises a
+    deprecation warning on every call: host time each step, and a graph break that keeps
+    torch.compile from capturing a transformer layer whole. Hand it the layer's own group."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if kwargs.get("tp_group", self.tp_group) is None:
+            kwargs["tp_group"] = self.tp_group
+        return super()._forward_impl(input, weight, *args, **kwargs)

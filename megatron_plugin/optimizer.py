@@ -88,3 +88,30 @@ class MegatronLMOptimizerWrapper:
 
     def load_state_dict(self, state_dict):
         self.optimizer.load_state_dict(state_dict)
+
+
+def inner_torch_optimizers(megatron_optimizer) -> List[torch.optim.Optimizer]:
+    """The torch optimizers inside a Megatron-Core optimizer (chained or not)."""
+    subs = getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])
+    return [o.optimizer for o in subs if isinstance(getattr(o, "optimizer", None), torch.optim.Optimizer)]
+
+
+def use_fused_adam(megatron_optimizer) -> int:
+    """Switch torch Adam/AdamW inside mcore's optimizer to torch's fused (single-kernel) update.
+
+    Without TE/apex mcore builds `torch.optim.AdamW` without `fused=`, so torch takes its foreach
+    implementation, several passes over parameters and states. The fused kernel computes the same
+    update. Only before the first step (state is created per the group's `fused` flag) and only
+    when every parameter is on CUDA. Returns how many optimizers were switched."""
+    switched = 0
+    for opt in inner_torch_optimizers(megatron_optimizer):
+        params = [p for g in opt.param_groups for p in g["params"]]
+        if type(opt) not in (torch.optim.AdamW, torch.optim.Adam) or opt.state or not params:
+            continue
+        if not all(p.is_cuda and p.dtype == torch.float32 for p in params):
+            continue
+        for group in [opt.defaults, *opt.param_groups]:
+            group.update(fused=True, foreach=None)
+        opt._step_supports_amp_scaling = True
+        switched += 1
+    return switched

@@ -99,10 +99,12 @@ class MegatronLMPlugin:
     return_logits: bool = field(default=False, metadata={"help": "return logits as well as the loss in eval"})
     fused_kernels: bool = field(
         default=False,
-        metadata={"help": "on CUDA, Megatron-Core's fused bias-GELU and cross-entropy (no gain measured on H100)"},
+        metadata={"help": "on CUDA, Megatron-Core's fused bias-GELU kernel"},
     )
     torch_compile: bool = field(
-        default=False, metadata={"help": "on CUDA, compile each transformer layer with torch.compile"}
+        default=False,
+        metadata={"help": "on CUDA, compile each transformer layer with torch.compile (Inductor); accelerate's "
+                          "dynamo_backend / TorchDynamoPlugin does the same with its backend and mode"},
     )
     seed: int = field(default=1234, metadata={"help": "seed of torch and of Megatron's parallel RNG tracker"})
     lr_decay_style: str = field(default="linear", metadata={"help": "'constant', 'linear' or 'cosine'"})

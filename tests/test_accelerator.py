@@ -42,6 +42,8 @@ def _bad_inputs_worker():
     expect("no_total_steps", lambda: acc.prepare(model, opt, MegatronLMDummyScheduler(opt), loader))
     cpu_acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(recompute_activations=True))
     expect("cpu_recompute", lambda: cpu_acc.prepare(model, opt, sched, loader))
+    compile_acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(torch_compile=True))
+    expect("cpu_compile", lambda: compile_acc.prepare(model, opt, sched, loader))
     return errors
 
 
@@ -56,6 +58,7 @@ def test_bad_input_is_refused_before_distributed_work():
         "no_dataloader": ("prepare(dataloaders)", "DataLoader"),
         "no_total_steps": ("MegatronLMDummyScheduler.total_num_steps", "max_train_steps"),
         "cpu_recompute": ("recompute_activations", "need CUDA"),
+        "cpu_compile": ("torch_compile", "CUDA engine only"),
     }
     for name, (setting, words) in expected.items():
         got = errors[name]
@@ -97,3 +100,15 @@ def test_eval_returns_hf_loss_and_logits_under_tp2():
     for res in run_on_ranks(_eval_worker, 2):
         assert res["shape"] and res["main_is_last"]
         assert res["loss_err"] < 1e-5 and res["logits_err"] < 1e-4, res
+
+
+def test_compile_settings_follow_accelerate_dynamo_plugin():
+    from accelerate.utils import TorchDynamoPlugin
+
+    from megatron_plugin import MegatronLMPlugin
+    from megatron_plugin.accelerator import layer_compile_kwargs
+
+    assert layer_compile_kwargs(MegatronLMPlugin(), TorchDynamoPlugin(backend="no")) is None
+    assert layer_compile_kwargs(MegatronLMPlugin(torch_compile=True), TorchDynamoPlugin(backend="no")) == {}
+    got = layer_compile_kwargs(MegatronLMPlugin(), TorchDynamoPlugin(backend="inductor", mode="max-autotune"))
+    assert got["backend"] == "inductor" and got["mode"] == "max-autotune", got

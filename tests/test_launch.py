@@ -80,7 +80,19 @@ def test_questionnaire_flags_and_gpu_answers(tmp_path):
         "megatron_lm_recompute_activations": True, "megatron_lm_sequence_parallelism": True,
         "megatron_lm_tp_degree": 2, "megatron_lm_use_distributed_optimizer": True,
     }
+    assert "dynamo_config" not in data
+    compiled = tmp_path / "compiled.yaml"
+    assert main(["config", "--config_file", str(compiled), "--non_interactive", "--pp", "2", "--num_processes", "4",
+                 "--mixed_precision", "bf16", "--compile", "yes"]) == 0
+    assert yaml.safe_load(compiled.read_text())["dynamo_config"] == {"dynamo_backend": "INDUCTOR"}  # accelerate launch reads it
     # a layout that does not fit the processes is refused, naming the setting, and nothing is written
     bad = tmp_path / "bad.yaml"
     assert main(["config", "--config_file", str(bad), "--non_interactive", "--tp", "4", "--num_processes", "6"]) == 2
     assert not bad.exists()
+    cpu_compile = tmp_path / "cpu_compile.yaml"
+    assert main(["config", "--config_file", str(cpu_compile), "--non_interactive", "--cpu", "yes", "--compile", "yes"]) == 2
+    assert not cpu_compile.exists()
+    tp_compile = tmp_path / "tp_compile.yaml"  # compiled layers are refused with TP > 1 (see check_compile)
+    assert main(["config", "--config_file", str(tp_compile), "--non_interactive", "--tp", "2", "--num_processes", "2",
+                 "--compile", "yes"]) == 2
+    assert not tp_compile.exists()

@@ -12,6 +12,7 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from ..cross_entropy import vocab_parallel_cross_entropy
 from ..errors import MegatronPluginConfigError
 from ..plugin import MegatronLMPlugin
 from ..spec import block_spec
@@ -44,7 +45,9 @@ class MegatronGPT(GPTModel):
         return logits.masked_fill(ids >= self.true_vocab_size, float("-inf"))
 
     def compute_language_model_loss(self, labels, logits):
-        return super().compute_language_model_loss(labels, self.mask_padded_vocab(logits))
+        """Per-token loss [b, s] from labels [b, s] and logits [s, b, local vocab]."""
+        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.true_vocab_size)
+        return loss.transpose(0, 1).contiguous()
 
     def _postprocess(self, hidden_states, **kwargs):
         if self.post_process and not self.lm_head:
@@ -103,7 +106,6 @@ def build_transformer_config(
         virtual_pipeline_model_parallel_size=plugin.virtual_pipeline_stages(fields["num_layers"]),
     )
     if on_gpu and plugin.fused_kernels:
-        fields.update(cross_entropy_loss_fusion=True, cross_entropy_fusion_impl="native")
         if fields["activation_func"] is gelu_tanh and fields["add_bias_linear"]:
             # mcore's fused bias-GELU computes the tanh approximation, which is what gelu_tanh is;
             # it is chosen when activation_func is F.gelu

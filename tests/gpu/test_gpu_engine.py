@@ -19,6 +19,8 @@ LAYOUTS_2GPU = {
     "tp2_sp": dict(tp=2, sp=True),
     "pp2_interleaved": dict(pp=2, vpp_layers=1),
     "tp2_sp_recompute": dict(tp=2, sp=True, recompute=True),
+    "dp2_compiled": dict(compile="plugin"),
+    "pp2_compiled_recompute": dict(pp=2, recompute=True, compile="plugin"),
 }
 
 
@@ -60,6 +62,12 @@ def test_baseline_learns(baseline):
 def test_fp16_tracks_bf16_baseline(baseline):
     (losses,) = run_on_ranks(_train, 1, dict(precision="fp16"))
     _assert_tracks(losses, baseline, "fp16")
+
+
+def test_compiled_layers_track_eager_baseline(baseline):
+    # compiled through accelerate's own knob, as `accelerate config` writes it
+    (losses,) = run_on_ranks(_train, 1, dict(compile="accelerate"))
+    _assert_tracks(losses, baseline, "compiled")
 
 
 @two_gpus

@@ -25,7 +25,9 @@ def dataset(n, vocab=1000, seed=3):
 
 
 def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="bf16", mode="train",
-               steps=STEPS, total_steps=STEPS, save_dir=None, load_dir=None, recompute=False):
+               steps=STEPS, total_steps=STEPS, save_dir=None, load_dir=None, recompute=False, compile=None):
+    """compile: None (eager), "plugin" (MegatronLMPlugin(torch_compile=True)) or "accelerate"
+    (Accelerator(dynamo_backend="inductor"), as `accelerate config` sets it)."""
     from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
 
     world = int(os.environ["WORLD_SIZE"])
@@ -33,9 +35,10 @@ def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="
     plugin = MegatronLMPlugin(
         tp_degree=tp, pp_degree=pp, sequence_parallelism=sp, use_distributed_optimizer=distopt,
         num_layers_per_virtual_pipeline_stage=vpp_layers, num_micro_batches=NUM_MICRO,
-        return_logits=mode == "logits", recompute_activations=recompute,
+        return_logits=mode == "logits", recompute_activations=recompute, torch_compile=compile == "plugin",
     )
-    acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision=precision)
+    extra = {"dynamo_backend": "inductor"} if compile == "accelerate" else {}
+    acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision=precision, **extra)
     hf = gpu_model()
     # the same global batch (and so the same samples per step) for every layout
     data = dataset(total_steps * MICRO * NUM_MICRO)

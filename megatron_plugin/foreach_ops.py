@@ -1,0 +1,57 @@
+"""apex's multi-tensor kernels (`amp_C.multi_tensor_l2norm` / `multi_tensor_scale`) on torch's foreach ops.
+
+Without Transformer Engine or apex, Megatron-Core falls back to per-tensor Python loops for the grad
+norm, grad clipping and the copy of fp32 main weights into the bf16/fp16 model. Its norm fallback
+also reads every per-tensor norm back to the host (`torch.tensor(list of CUDA scalars)`), one
+device sync per parameter tensor, every step. torch's `_foreach_*` kernels do the same work in a few
+launches and no sync. mcore picks its implementation at import time into module globals; `install`
+swaps ours in there, and only where mcore's own loop fallback is in place (TE / apex stay preferred).
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+
+
+def multi_tensor_l2norm(chunk_size, noop_flag, tensor_lists: List[List[torch.Tensor]], per_tensor, *args):
+    """The global L2 norm of tensor_lists[0], as a 1-element fp32 tensor on their device."""
+    norms = torch._foreach_norm(tensor_lists[0])
+    return torch.linalg.vector_norm(torch.stack(norms).float()).reshape(1), None
+
+
+def multi_tensor_scale(chunk_size, noop_flag, tensor_lists: List[List[torch.Tensor]], scale: float):
+    """dst = src * scale for each pair (src and dst may be the same tensors, may differ in dtype)."""
+    src, dst = tensor_lists
+    if not src:
+        return
+    if all(a is b for a, b in zip(src, dst)):
+        torch._foreach_mul_(dst, scale)
+    elif scale == 1.0:
+        torch._foreach_copy_(dst, src)
+    else:
+        torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
+
+
+def multi_tensor_applier(op, noop_flag, tensor_lists, *args):
+    return op(2048 * 32, noop_flag, tensor_lists, *args)
+
+
+def install() -> bool:
+    """Use the foreach kernels in mcore's optimizer modules where its loop fallbacks are active.
+    Returns whether anything was swapped."""
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    swapped = False
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        clip_grads.multi_tensor_applier = multi_tensor_applier
+        clip_grads.l2_norm_impl = multi_tensor_l2norm
+        clip_grads.multi_tensor_scale_impl = multi_tensor_scale
+        swapped = True
+    if optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+        optimizer.multi_tensor_applier = multi_tensor_applier
+        optimizer.multi_tensor_scale_impl = multi_tensor_scale
+        swapped = True
+    return swapped
