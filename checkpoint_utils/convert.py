@@ -26,7 +26,7 @@ from typing import Optional
 from safetensors.torch import save_file
 from tqdm.auto import tqdm
 
-from megatron_plugin.checkpoint import checkpoint_meta, point_latest, shard_name, write_meta
+from megatron_plugin.checkpoint import LATEST, checkpoint_meta, model_file, point_latest, write_meta
 from megatron_plugin.convert import model_dims
 from megatron_plugin.errors import MegatronPluginConfigError
 from megatron_plugin.models import check_model
@@ -37,7 +37,7 @@ from .io import DTYPES, HFReader, MegatronReader, parse_size, staged_output
 
 
 def is_megatron_checkpoint(path: str) -> bool:
-    return os.path.exists(os.path.join(path, "latest")) or os.path.exists(os.path.join(path, "meta.json"))
+    return os.path.exists(os.path.join(path, LATEST)) or os.path.exists(os.path.join(path, "meta.json"))
 
 
 def _dtype(name: Optional[str]):
@@ -71,7 +71,7 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
             plan = StagePlan.for_rank(num_layers, pp, pp_rank)
             for t in range(tp):
                 tensors = {name: x.to(dtype).contiguous() for name, x in hf_to_mcore(reader.get, rules, dims, plan, tp, t)}
-                file = os.path.join(out, tag, "model", f"{shard_name(t, pp_rank)}.safetensors")
+                file = model_file(os.path.join(out, tag), t, pp_rank)
                 save_file(tensors, file)
                 if print_structure:
                     _print_file(file, tensors)

@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 import torch
 from safetensors import safe_open
 
-from megatron_plugin.checkpoint import chunk_key, resolve_checkpoint, shard_name
+from megatron_plugin.checkpoint import chunk_key, model_file, resolve_checkpoint
 from megatron_plugin.convert import model_dims
 from megatron_plugin.errors import MegatronPluginConfigError
 from megatron_plugin.models import get_family
@@ -146,7 +146,7 @@ class MegatronReader:
                     raise MegatronPluginConfigError("--load_path", path, f"shard {os.path.basename(self._file(t, pp))} is missing")
 
     def _file(self, tp_rank: int, pp_rank: int) -> str:
-        return os.path.join(self.ckpt, "model", f"{shard_name(tp_rank, pp_rank)}.safetensors")
+        return model_file(self.ckpt, tp_rank, pp_rank)
 
     def get(self, name: str) -> torch.Tensor:
         rule, mcore_name, pp, index = self._source[name]

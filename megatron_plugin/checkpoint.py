@@ -40,6 +40,11 @@ def shard_name(tp_rank: int, pp_rank: int) -> str:
     return f"tp{tp_rank:02d}_pp{pp_rank:03d}"
 
 
+def model_file(ckpt_dir: str, tp_rank: int, pp_rank: int) -> str:
+    """One model-parallel rank's weights inside a checkpoint folder."""
+    return os.path.join(ckpt_dir, "model", f"{shard_name(tp_rank, pp_rank)}.safetensors")
+
+
 def chunk_key(chunk: int, num_chunks: int, name: str) -> str:
     """A tensor's name in a model file: chunk i's names get `chunk{i}.` when a rank holds several."""
     return f"chunk{chunk}.{name}" if num_chunks > 1 else name
@@ -55,9 +60,10 @@ def checkpoint_meta(*, iteration, tp, pp, dp, vpp, distributed_optimizer, model_
     }
 
 
-def _rank_names():
-    name = shard_name(parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank())
-    return name, parallel_state.get_data_parallel_rank()
+def _rank():
+    """(tp rank, pp rank, dp rank) of this process."""
+    return (parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_pipeline_model_parallel_rank(),
+            parallel_state.get_data_parallel_rank())
 
 
 def _vpp(engine):
@@ -73,15 +79,13 @@ def _atomic_write_text(path: str, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _model_tensors(engine) -> dict:
-    """Every chunk's tensors, named by `chunk_key`."""
+def _chunk_tensors(engine):
+    """(name in the model file, live tensor) for every chunk's weights: what save writes and load fills."""
     n = len(engine.chunks)
-    return {
-        chunk_key(i, n, k): v.detach().contiguous().cpu()
-        for i, chunk in enumerate(engine.chunks)
-        for k, v in chunk.module.state_dict().items()
-        if not k.endswith("_extra_state")
-    }
+    for i, chunk in enumerate(engine.chunks):
+        for k, v in chunk.module.state_dict().items():
+            if not k.endswith("_extra_state"):
+                yield chunk_key(i, n, k), v
 
 
 def _rng_state(engine) -> dict:
@@ -132,9 +136,11 @@ def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer
     staging = os.path.join(output_dir, f".{tag}.partial")
     dist.barrier()
 
-    name, dp_rank = _rank_names()
+    tp_rank, pp_rank, dp_rank = _rank()
+    name = shard_name(tp_rank, pp_rank)
     if dp_rank == 0:
-        save_file(_model_tensors(engine), os.path.join(staging, "model", f"{name}.safetensors"))
+        tensors = {k: v.detach().contiguous().cpu() for k, v in _chunk_tensors(engine)}
+        save_file(tensors, model_file(staging, tp_rank, pp_rank))
         torch.save(engine.optimizer.state_dict(), os.path.join(staging, "optimizer", f"{name}_dp000.pt"))
     if distributed_optimizer:
         # mcore gathers the DP-sharded optimizer state onto DP rank 0 of each model-parallel rank
@@ -207,17 +213,14 @@ def load_state(input_dir: str, engine, custom_objects=()) -> dict:
             f"the checkpoint {ckpt} was saved with tp={meta['tp']}, pp={meta['pp']}, virtual stages="
             f"{meta.get('vpp')}: run with that layout, or reshape it with `python -m checkpoint_utils.convert`",
         )
-    name, dp_rank = _rank_names()
-    tensors = load_file(os.path.join(ckpt, "model", f"{name}.safetensors"))
+    tp_rank, pp_rank, _ = _rank()
+    name = shard_name(tp_rank, pp_rank)
+    tensors = load_file(model_file(ckpt, tp_rank, pp_rank))
     with torch.no_grad():
-        for i, chunk in enumerate(engine.chunks):
-            for k, dest in chunk.module.state_dict().items():
-                if k.endswith("_extra_state"):
-                    continue
-                key = chunk_key(i, len(engine.chunks), k)
-                if key not in tensors:
-                    raise KeyError(f"checkpoint {ckpt} lacks model tensor {key}")
-                dest.copy_(tensors[key])
+        for key, dest in _chunk_tensors(engine):
+            if key not in tensors:
+                raise KeyError(f"checkpoint {ckpt} lacks model tensor {key}")
+            dest.copy_(tensors[key])
     if meta.get("model_only"):
         # written by checkpoint_utils: weights only; optimizer, scheduler and RNG start fresh
         engine.iteration = meta["iteration"]

@@ -22,8 +22,8 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if top_p and 0.0 < top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) > top_p  # keep the smallest set reaching top_p
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest set reaching top_p
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return logits
 

@@ -139,6 +139,6 @@ class RowParallelLinear(_McoreRowParallelLinear):
     torch.compile from capturing a transformer layer whole. Hand it the layer's own group."""
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        if kwargs.get("tp_group", self.tp_group) is None:
+        if kwargs.get("tp_group") is None:
             kwargs["tp_group"] = self.tp_group
         return super()._forward_impl(input, weight, *args, **kwargs)

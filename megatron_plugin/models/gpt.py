@@ -7,7 +7,6 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core import parallel_state
 from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -27,22 +26,14 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
 
 
 class MegatronGPT(GPTModel):
-    """GPTModel that (1) keeps padded vocabulary rows out of the softmax, so the loss equals HF's, and
-    (2) can stop at the final norm, for HF base models (`GPT2Model`) that have no LM head."""
+    """GPTModel that (1) keeps padded vocabulary rows out of the softmax (`cross_entropy.py`), so the
+    loss equals HF's, and (2) can stop at the final norm, for HF base models (`GPT2Model`) that have no
+    LM head."""
 
     def __init__(self, *args, true_vocab_size: int, lm_head: bool = True, **kwargs):
         super().__init__(*args, **kwargs)
         self.true_vocab_size = true_vocab_size
         self.lm_head = lm_head
-
-    def mask_padded_vocab(self, logits: torch.Tensor) -> torch.Tensor:
-        """Set the logits of padding rows of the vocabulary (this rank's slice) to -inf."""
-        local = logits.shape[-1]
-        start = parallel_state.get_tensor_model_parallel_rank() * local
-        if start + local <= self.true_vocab_size:
-            return logits
-        ids = torch.arange(start, start + local, device=logits.device)
-        return logits.masked_fill(ids >= self.true_vocab_size, float("-inf"))
 
     def compute_language_model_loss(self, labels, logits):
         """Per-token loss [b, s] from labels [b, s] and logits [s, b, local vocab]."""
