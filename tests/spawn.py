@@ -1,16 +1,27 @@
-"""Run a function on N CPU processes over gloo, as `accelerate launch` would, and collect results."""
+"""Run a function on N CPU processes over gloo, as `accelerate launch` would, and collect results.
+
+Importing torch, transformers and megatron-core costs a process about 9 s on the CI machine, more than
+most tests take. So the processes of each world size are started once and kept: every call hands them
+a task, and each task gets a fresh process group (new port), a clean environment and clean accelerate
+and Megatron state. A task that fails or times out takes its workers down; the next call starts new
+ones. `MP_TEST_FRESH=1` starts new processes for every call instead.
+"""
 
 from __future__ import annotations
 
+import atexit
 import os
+import queue
 import socket
 import tempfile
+import time
 import traceback
 
 import torch
 import torch.multiprocessing as mp
 
 TIMEOUT_S = int(os.environ.get("MP_TEST_TIMEOUT", "600"))
+FRESH = os.environ.get("MP_TEST_FRESH", "0") == "1"
 
 
 def _free_port() -> int:
@@ -19,37 +30,113 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, world_size, port, out_dir, fn, args, env):
+def _reset_process_state():
+    from megatron_plugin.distributed import destroy
+
+    destroy()
+    try:
+        from accelerate.state import AcceleratorState, GradientState
+
+        AcceleratorState._reset_state(reset_partial_state=True)
+        GradientState._reset_state()
+    except Exception:  # accelerate not imported by the task
+        pass
+
+
+def _run_task(rank, world_size, task):
+    port, out_dir, fn, args, env = task
+    saved_env = dict(os.environ)
     os.environ.update(env)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size),
     )
+    path = os.path.join(out_dir, f"rank{rank}.pt")
+    try:
+        report = {"ok": True, "result": fn(*args)}
+    except BaseException:  # report it to the parent, whatever it is
+        report = {"ok": False, "error": traceback.format_exc()}
+    try:
+        torch.save(report, path + ".tmp")  # renamed when complete: the parent never reads half a file
+        os.replace(path + ".tmp", path)
+    finally:
+        _reset_process_state()
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def _worker(rank, world_size, tasks):
     torch.set_num_threads(1)
     import warnings
 
     warnings.filterwarnings("ignore")
-    path = os.path.join(out_dir, f"rank{rank}.pt")
-    try:
-        result = fn(*args)
-        torch.save({"ok": True, "result": result}, path)
-    except BaseException:  # report it to the parent, whatever it is
-        torch.save({"ok": False, "error": traceback.format_exc()}, path)
-    finally:
-        from megatron_plugin.distributed import destroy
+    seed = torch.initial_seed()
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        torch.manual_seed(seed)  # every task starts from the RNG state of a new process
+        _run_task(rank, world_size, task)
 
-        destroy()
+
+class _Pool:
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self.queues = [ctx.Queue() for _ in range(world_size)]
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.queues[r]), daemon=True)
+                      for r in range(world_size)]
+        for p in self.procs:
+            p.start()
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def kill(self):
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+    def close(self):
+        for q in self.queues:
+            try:
+                q.put(None)
+            except Exception:
+                pass
+        for p in self.procs:
+            p.join(timeout=5)
+        self.kill()
+
+
+_POOLS: dict = {}
+
+
+def _pool(world_size: int) -> _Pool:
+    pool = _POOLS.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _POOLS[world_size] = _Pool(world_size)
+    return pool
+
+
+@atexit.register
+def _close_pools():
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
 
 
 def run_on_ranks(fn, world_size: int, *args, env: dict | None = None):
-    """Spawn `world_size` processes running `fn(*args)`; return the list of their return values.
+    """Run `fn(*args)` on `world_size` processes; return the list of their return values.
     Raises with the failing rank's traceback, or if the processes outlive the timeout."""
     with tempfile.TemporaryDirectory() as out_dir:
-        ctx = mp.start_processes(
-            _entry, args=(world_size, _free_port(), out_dir, fn, args, env or {}),
-            nprocs=world_size, join=False, start_method="spawn",
-        )
-        import time
+        pool = _pool(world_size)
+        task = (_free_port(), out_dir, fn, args, env or {})
+        for q in pool.queues:
+            q.put(task)
 
         def load(rank):
             path = os.path.join(out_dir, f"rank{rank}.pt")
@@ -62,14 +149,26 @@ def run_on_ranks(fn, world_size: int, *args, env: dict | None = None):
                     return f"rank {rank} of {world_size} failed:\n{got['error']}"
 
         deadline = time.time() + TIMEOUT_S
-        while not ctx.join(timeout=2):
+        while True:
+            done = all(os.path.exists(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size))
+            if done:
+                break
             # A failed rank leaves its peers waiting in a collective: stop them now.
             error = failure() or (time.time() > deadline and f"{fn.__name__} timed out after {TIMEOUT_S}s")
+            if not error and not pool.alive():
+                error = f"a worker process died while running {fn.__name__}"
             if error:
-                for p in ctx.processes:
-                    p.kill()
+                pool.kill()
+                _POOLS.pop(world_size, None)
                 raise AssertionError(error)
-        error = failure()
-        if error:
-            raise AssertionError(error)
-        return [load(rank)["result"] for rank in range(world_size)]
+            time.sleep(0.05)
+        results = [load(rank) for rank in range(world_size)]
+        if FRESH:
+            pool.close()
+            _POOLS.pop(world_size, None)
+        for rank, got in enumerate(results):
+            if not got["ok"]:
+                pool.kill()
+                _POOLS.pop(world_size, None)
+                raise AssertionError(f"rank {rank} of {world_size} failed:\n{got['error']}")
+        return [got["result"] for got in results]
