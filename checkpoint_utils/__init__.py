@@ -1,5 +1,16 @@
-"""Checkpoint conversion and reshaping between HF and Megatron layouts (see `convert.py`)."""
+"""Checkpoint conversion and reshaping between HF and Megatron layouts (see `convert.py`).
 
-from .convert import convert_hf_to_megatron, convert_megatron_to_hf, main, reshape_megatron
+The functions load on first use, so `python -m checkpoint_utils.convert` runs its module once (no
+runpy warning) and `--help` answers without importing torch and megatron-core.
+"""
 
-__all__ = ["convert_hf_to_megatron", "convert_megatron_to_hf", "reshape_megatron", "main"]
+_EXPORTS = ("convert_hf_to_megatron", "convert_megatron_to_hf", "reshape_megatron", "main")
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'checkpoint_utils' has no attribute {name!r}")
+    from . import convert
+
+    return getattr(convert, name)

@@ -1,4 +1,4 @@
-"""Convert and reshape checkpoints between HF (safetensors / .bin) and Megatron (any TP/PP), tensor by
+r"""Convert and reshape checkpoints between HF (safetensors / .bin) and Megatron (any TP/PP), tensor by
 tensor, as a command and as functions.
 
     # HF -> Megatron, laid out for TP=2, PP=2 (accelerator.load_state reads it directly)
@@ -23,26 +23,22 @@ import os
 import sys
 from typing import Optional
 
-from safetensors.torch import save_file
-from tqdm.auto import tqdm
-
-from megatron_plugin.checkpoint import LATEST, checkpoint_meta, model_file, point_latest, write_meta
-from megatron_plugin.convert import model_dims
 from megatron_plugin.errors import MegatronPluginConfigError
-from megatron_plugin.models import check_model
-from megatron_plugin.models.mapping import StagePlan, hf_to_mcore
 from megatron_plugin.plugin import MegatronLMPlugin
 
-from .io import DTYPES, HFReader, MegatronReader, parse_size, staged_output
+# torch, safetensors and megatron-core load inside the functions: `--help` should not wait for them
+DTYPE_NAMES = ("fp32", "fp16", "bf16")
 
 
 def is_megatron_checkpoint(path: str) -> bool:
-    return os.path.exists(os.path.join(path, LATEST)) or os.path.exists(os.path.join(path, "meta.json"))
+    return os.path.exists(os.path.join(path, "latest")) or os.path.exists(os.path.join(path, "meta.json"))
 
 
 def _dtype(name: Optional[str]):
     if name is None:
         return None
+    from .io import DTYPES
+
     if name not in DTYPES:
         raise MegatronPluginConfigError("--target_params_dtype", name, f"use one of {sorted(DTYPES)}")
     return DTYPES[name]
@@ -51,7 +47,19 @@ def _dtype(name: Optional[str]):
 def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1, params_dtype: str = "fp32",
                    make_vocab_size_divisible_by: int = 128, use_distributed_optimizer: bool = False,
                    overwrite: bool = False, print_structure: bool = False, progress: bool = True) -> str:
-    """Write `reader`'s model (HFReader or MegatronReader) as a model-only Megatron checkpoint."""
+    """Write `reader`'s model (HFReader or MegatronReader) as a model-only Megatron checkpoint. A
+    reshaped Megatron checkpoint keeps its iteration."""
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    from megatron_plugin.checkpoint import checkpoint_meta, model_file, point_latest, write_meta
+    from megatron_plugin.fs import file_checksum
+    from megatron_plugin.convert import model_dims
+    from megatron_plugin.models import check_model
+    from megatron_plugin.models.mapping import StagePlan, hf_to_mcore
+
+    from .io import staged_output
+
     cfg, family = reader.config, reader.family
     plugin = MegatronLMPlugin(tp_degree=tp, pp_degree=pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     plugin.validate(world_size=tp * pp * dp)
@@ -63,9 +71,11 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
     if missing:
         raise MegatronPluginConfigError("--load_path", getattr(reader, "path", reader), f"lacks tensors {missing[:5]}")
     dims = model_dims(family, cfg, make_vocab_size_divisible_by, tp)
-    tag = "iter_0000000"
+    iteration = getattr(reader, "meta", {}).get("iteration", 0)
+    tag = f"iter_{iteration:07d}"
     with staged_output(save_path, overwrite) as out:
         os.makedirs(os.path.join(out, tag, "model"))
+        files = {}
         bar = tqdm(total=tp * pp, desc="megatron shards", disable=not progress)
         for pp_rank in range(pp):
             plan = StagePlan.for_rank(num_layers, pp, pp_rank)
@@ -73,16 +83,17 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
                 tensors = {name: x.to(dtype).contiguous() for name, x in hf_to_mcore(reader.get, rules, dims, plan, tp, t)}
                 file = model_file(os.path.join(out, tag), t, pp_rank)
                 save_file(tensors, file)
+                files[os.path.relpath(file, os.path.join(out, tag))] = file_checksum(file)
                 if print_structure:
                     _print_file(file, tensors)
                 del tensors
                 bar.update(1)
         bar.close()
-        write_meta(os.path.join(out, tag, "meta.json"), checkpoint_meta(
-            iteration=0, tp=tp, pp=pp, dp=dp, vpp=None, distributed_optimizer=use_distributed_optimizer,
+        write_meta(os.path.join(out, tag, "meta.json"), dict(checkpoint_meta(
+            iteration=iteration, tp=tp, pp=pp, dp=dp, vpp=None, distributed_optimizer=use_distributed_optimizer,
             model_only=True, family=family.name, lm_head=True,
             make_vocab_size_divisible_by=make_vocab_size_divisible_by, hf_config=cfg.to_dict(),
-        ))
+        ), files=files))
         point_latest(out, tag)
     return save_path
 
@@ -91,6 +102,11 @@ def write_hf(reader: MegatronReader, save_path: str, max_shard_size: str = "10GB
              tokenizer_name: Optional[str] = None, overwrite: bool = False, print_structure: bool = False,
              progress: bool = True) -> str:
     """Write a Megatron checkpoint as an HF folder: sharded safetensors, config, tokenizer."""
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    from .io import parse_size, staged_output
+
     limit = parse_size(max_shard_size)
     dtype = _dtype(params_dtype)
     cfg, family = reader.config, reader.family
@@ -145,19 +161,28 @@ def _print_file(file, tensors):
 
 
 def convert_hf_to_megatron(load_path: str, save_path: str, **kwargs) -> str:
+    from .io import HFReader
+
     return write_megatron(HFReader(load_path), save_path, **kwargs)
 
 
 def reshape_megatron(load_path: str, save_path: str, **kwargs) -> str:
+    from .io import MegatronReader
+
     return write_megatron(MegatronReader(load_path), save_path, **kwargs)
 
 
 def convert_megatron_to_hf(load_path: str, save_path: str, **kwargs) -> str:
+    from .io import MegatronReader
+
     return write_hf(MegatronReader(load_path), save_path, **kwargs)
 
 
 def build_parser():
-    p = argparse.ArgumentParser(prog="megatron-convert-checkpoint", description=__doc__.splitlines()[0])
+    intro, _, examples = __doc__.partition("\n\n")
+    p = argparse.ArgumentParser(prog="megatron-convert-checkpoint", description=" ".join(intro.split()),
+                                epilog="examples:\n" + examples.split("\n\nPeak")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--convert_checkpoint_from_megatron_to_transformers", action="store_true",
                    help="Megatron -> HF; without it: HF -> Megatron, or Megatron -> Megatron when --load_path is one")
     p.add_argument("--load_path", required=True)
@@ -165,7 +190,7 @@ def build_parser():
     p.add_argument("--target_tensor_model_parallel_size", type=int, default=1)
     p.add_argument("--target_pipeline_model_parallel_size", type=int, default=1)
     p.add_argument("--target_data_parallel_size", type=int, default=1)
-    p.add_argument("--target_params_dtype", default=None, help="fp32, fp16 or bf16 (default: as stored)")
+    p.add_argument("--target_params_dtype", default=None, choices=DTYPE_NAMES, help="default: as stored (fp32 for Megatron output)")
     p.add_argument("--make_vocab_size_divisible_by", type=int, default=128)
     p.add_argument("--use_distributed_optimizer", action="store_true")
     p.add_argument("--max_shard_size", default="10GB")

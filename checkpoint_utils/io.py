@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 import torch
 from safetensors import safe_open
 
-from megatron_plugin.checkpoint import chunk_key, model_file, resolve_checkpoint
+from megatron_plugin.checkpoint import chunk_key, model_file, read_meta, resolve_checkpoint, verify_file
 from megatron_plugin.convert import model_dims
 from megatron_plugin.errors import MegatronPluginConfigError
 from megatron_plugin.models import get_family
@@ -120,8 +120,7 @@ class MegatronReader:
 
     def __init__(self, path: str):
         self.ckpt = resolve_checkpoint(path)
-        with open(os.path.join(self.ckpt, "meta.json")) as f:
-            self.meta = json.load(f)
+        self.meta = read_meta(self.ckpt)
         self.config = hf_config_from_dict(self.meta["hf_config"])
         self.family = get_family(self.config)
         tp = self.meta["tp"]
@@ -141,9 +140,8 @@ class MegatronReader:
         self.names = list(self._source)
         self._cache: Tuple[str, List[torch.Tensor]] = ("", [])
         for pp in range(self.meta["pp"]):
-            for t in range(tp):
-                if not os.path.exists(self._file(t, pp)):
-                    raise MegatronPluginConfigError("--load_path", path, f"shard {os.path.basename(self._file(t, pp))} is missing")
+            for t in range(tp):  # every shard complete and undamaged before anything is written
+                verify_file(self.ckpt, os.path.relpath(self._file(t, pp), self.ckpt), self.meta)
 
     def _file(self, tp_rank: int, pp_rank: int) -> str:
         return model_file(self.ckpt, tp_rank, pp_rank)
@@ -170,6 +168,9 @@ def staged_output(save_path: str, overwrite: bool):
     parent = os.path.dirname(save_path)
     os.makedirs(parent, exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{os.path.basename(save_path)}.partial-", dir=parent)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o777 & ~umask)  # mkdtemp makes it private (0700); the result is an ordinary folder
     try:
         yield tmp
     except BaseException:

@@ -33,6 +33,7 @@ from transformers import (  # noqa: E402
 )
 
 from megatron_plugin import Accelerator, MegatronLMDummyScheduler  # noqa: E402
+from megatron_plugin.fs import check_writable  # noqa: E402
 
 logger = get_logger(__name__)
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -63,7 +64,7 @@ def parse_args(argv=None):
     p.add_argument("--checkpointing_steps", default=None, help="'epoch' or a number of steps")
     p.add_argument("--resume_from_checkpoint", default=None)
     p.add_argument("--stop_after_steps", type=int, default=None, help="end the run early (to test resuming)")
-    p.add_argument("--log_every", type=int, default=0, help="print the loss every N steps (0: never)")
+    p.add_argument("--log_every", type=int, default=50, help="print the loss every N steps (0: never)")
     p.add_argument("--seed", type=int, default=42)
     p.add_argument("--with_tracking", action="store_true")
     p.add_argument("--report_to", default="all")
@@ -89,9 +90,14 @@ def main(argv=None):
     accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, **accelerator_log_kwargs)
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     logger.info(accelerator.state, main_process_only=False)
+    if not accelerator.is_local_main_process:  # one rank's progress bars are enough
+        datasets.utils.logging.disable_progress_bar()
+        datasets.utils.logging.set_verbosity_error()
     set_seed(args.seed)
-    if accelerator.is_main_process and args.output_dir:
-        os.makedirs(args.output_dir, exist_ok=True)
+    if args.output_dir:
+        check_writable(args.output_dir, "--output_dir")  # fail now, not after training
+        if accelerator.is_main_process:
+            os.makedirs(args.output_dir, exist_ok=True)
     accelerator.wait_for_everyone()
 
     # Tokenizer: a local one, or one built from the training text (once, then read by every rank).
@@ -225,9 +231,11 @@ def main(argv=None):
             progress_bar.update(1)
             completed_steps += 1
             if args.log_every and completed_steps % args.log_every == 0:
-                accelerator.print(f"step {completed_steps} loss {loss.item()!r}")
+                lr = lr_scheduler.get_last_lr()[0]
+                accelerator.print(f"step {completed_steps} loss {loss.item()!r} lr {lr:.3e}")
             if isinstance(checkpointing_steps, int) and completed_steps % checkpointing_steps == 0 and args.output_dir:
-                accelerator.save_state(os.path.join(args.output_dir, f"step_{completed_steps}"))
+                saved = accelerator.save_state(os.path.join(args.output_dir, f"step_{completed_steps}"))
+                accelerator.print(f"checkpoint written to {saved}")
             if completed_steps >= args.max_train_steps or completed_steps == args.stop_after_steps:
                 break
 
@@ -254,7 +262,8 @@ def main(argv=None):
             accelerator.log({"perplexity": perplexity, "eval_loss": eval_loss, "train_loss": total_loss / max(1, len(train_dataloader)),
                              "epoch": epoch, "step": completed_steps}, step=completed_steps)
         if checkpointing_steps == "epoch" and args.output_dir:
-            accelerator.save_state(os.path.join(args.output_dir, f"epoch_{epoch}"))
+            saved = accelerator.save_state(os.path.join(args.output_dir, f"epoch_{epoch}"))
+            accelerator.print(f"checkpoint written to {saved}")
         if completed_steps >= args.max_train_steps or completed_steps == args.stop_after_steps:
             break
 
@@ -263,7 +272,9 @@ def main(argv=None):
     if args.output_dir is not None:
         accelerator.wait_for_everyone()
         if accelerator.distributed_type == DistributedType.MEGATRON_LM:
-            accelerator.save_state(os.path.join(args.output_dir, "final"))
+            saved = accelerator.save_state(os.path.join(args.output_dir, "final"))
+            accelerator.print(f"checkpoint written to {saved} (resume with --resume_from_checkpoint, or convert "
+                              "it to HF with `python -m checkpoint_utils.convert`)")
         else:
             unwrapped = accelerator.unwrap_model(model)
             unwrapped.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)

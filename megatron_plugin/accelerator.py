@@ -23,10 +23,13 @@ from .data import check_dataloader, prepare_megatron_dataloader
 from .distributed import initialize
 from .engine import MegatronEngine, megatron_args
 from .errors import MegatronPluginConfigError
+from .launch_config import check_launch
 from .modeling import MegatronModel
-from .convert import mcore_to_hf_names
-from .optimizer import MegatronLMOptimizerWrapper, check_optimizer, rebuild_optimizer
-from .plugin import MegatronLMPlugin
+from .convert import mcore_to_hf_sources
+from .models import check_model
+from .models.mapping import StagePlan
+from .optimizer import MegatronLMOptimizerWrapper, check_optimizer, rebuild_optimizer, trainable_flags
+from .plugin import MegatronLMPlugin, check_compile, check_cpu_support
 from .scheduler import MegatronLMDummyScheduler, MegatronLMSchedulerWrapper, build_scheduler, check_scheduler
 
 _ENV_FLAG = "ACCELERATE_USE_MEGATRON_LM"
@@ -43,41 +46,6 @@ def _env(name, value):
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
-
-
-# Plugin settings the CPU engine cannot honour: each rests on a Megatron-Core piece that is CUDA-only.
-_CUDA_ONLY = {
-    "pp_degree": (lambda p: p.pp_degree > 1, "pipeline schedules and p2p buffers", "pp_degree=1"),
-    "sequence_parallelism": (lambda p: p.sequence_parallelism, "sequence-parallel collectives", "sequence_parallelism=False"),
-    "use_distributed_optimizer": (lambda p: p.use_distributed_optimizer, "DistributedOptimizer", "use_distributed_optimizer=False"),
-    "recompute_activations": (lambda p: p.recompute_granularity is not None, "activation checkpointing (CUDA RNG states)", "recompute_activations=False"),
-}
-
-
-def check_cpu_support(plugin: MegatronLMPlugin) -> None:
-    for setting, (used, piece, fix) in _CUDA_ONLY.items():
-        if used(plugin):
-            raise MegatronPluginConfigError(
-                setting, getattr(plugin, setting),
-                f"Megatron-Core's {piece} need CUDA; for a CPU run set {fix} (the GPU engine supports it)",
-            )
-
-
-def check_compile(plugin: MegatronLMPlugin, compile_kwargs: Optional[dict], device_type: str) -> None:
-    """Compiled layers run on the CUDA engine without tensor parallelism (see the TP note below)."""
-    if compile_kwargs is None:
-        return
-    setting, value = ("torch_compile", True) if plugin.torch_compile else ("dynamo_backend", compile_kwargs.get("backend"))
-    off = "set torch_compile=False and dynamo_backend 'no' (accelerate config / Accelerator(dynamo_backend=...))"
-    if device_type != "cuda":
-        raise MegatronPluginConfigError(setting, value, f"compiled layers are for the CUDA engine only; for a CPU run {off}")
-    if plugin.tp_degree > 1:
-        # Inside a compiled layer, mcore's tensor-parallel linears (async all-gather / reduce-scatter in
-        # custom autograd functions) trained to wrong losses in our GPU tests (TP=2 + SP).
-        raise MegatronPluginConfigError(
-            setting, value, f"compiled layers are not supported with tp_degree={plugin.tp_degree} yet: {off}, "
-            "or use tp_degree=1 (data/pipeline parallelism compile fine)",
-        )
 
 
 def layer_compile_kwargs(plugin: MegatronLMPlugin, dynamo_plugin) -> Optional[dict]:
@@ -108,6 +76,7 @@ class Accelerator(accelerate.Accelerator):
                 "MegatronLMPlugin(num_micro_batches=...) instead",
             )
         megatron_lm_plugin.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        check_launch()
         if not torch.cuda.is_available():
             # accelerate builds a multi-process CPU (gloo) state only when told it is on CPU
             kwargs["cpu"] = True
@@ -131,6 +100,7 @@ class Accelerator(accelerate.Accelerator):
         schedulers = [a for a in args if not isinstance(a, (torch.nn.Module, torch.optim.Optimizer, DataLoader))
                       and (isinstance(a, MegatronLMDummyScheduler) or hasattr(a, "step"))]
         loaders = [a for a in args if isinstance(a, DataLoader)]
+        # Every check below runs before the first collective, so bad input fails on every rank alike.
         if len(models) > 1 or (models and self._engine is not None):
             raise MegatronPluginConfigError(
                 "prepare(models)", len(models) + (self._engine is not None),
@@ -149,7 +119,7 @@ class Accelerator(accelerate.Accelerator):
         if len(optimizers) > 1 or len(schedulers) > 1:
             raise MegatronPluginConfigError("prepare(optimizers)", len(optimizers), "pass one optimizer and one scheduler")
         for s in schedulers:
-            check_scheduler(s)
+            check_scheduler(s, plugin)
         for o in optimizers:
             check_optimizer(o)
         compile_kwargs = layer_compile_kwargs(plugin, getattr(self.state, "dynamo_plugin", None))
@@ -161,20 +131,37 @@ class Accelerator(accelerate.Accelerator):
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
         if dtype is torch.float16 and self.device.type == "cpu":
             raise MegatronPluginConfigError("mixed_precision", "fp16", "fp16 needs CUDA; use 'bf16' or 'no' on CPU")
-        micro_sizes = {dl.batch_size for dl in loaders}
         hf_model = models[0]
-        layout = initialize(plugin, hf_model.config)
+        family = check_model(plugin, hf_model.config)
+        lm_head = hasattr(hf_model, "lm_head")
+        step_cls = plugin.custom_train_step_class
+        if step_cls is None:
+            if not lm_head:
+                raise MegatronPluginConfigError(
+                    "model", type(hf_model).__name__,
+                    "a base model has no LM head, so the default train step has no loss to train: pass the "
+                    f"LM-head model ({family.lm_head_class}), or set custom_train_step_class to a step that "
+                    "computes your loss from the hidden states",
+                )
+            from train_steps import GPTTrainStep as step_cls
+        whole = StagePlan.single(family.num_layers(hf_model.config))
+        trainable_flags(hf_model, optimizers[0], mcore_to_hf_sources(family, hf_model.config, whole, lm_head))
+        if self.project_dir:
+            checkpoint.check_writable(self.project_dir, "ProjectConfiguration.project_dir")
 
+        layout = initialize(plugin, hf_model.config)
         chunks = MegatronModel.chunks_from_hf(
             hf_model, plugin, params_dtype=dtype if (dtype is not None and self.device.type == "cuda") else torch.float32
         )
+        for chunk in chunks:
+            sources = mcore_to_hf_sources(chunk.family, chunk.hf_config, chunk.plan, chunk.lm_head)
+            flags = trainable_flags(hf_model, optimizers[0], sources)
+            for name, param in chunk.module.named_parameters():
+                param.requires_grad_(flags[name])
         model = chunks[0]
-        micro = max(micro_sizes)
+        micro = max(dl.batch_size for dl in loaders)
         plugin.micro_batch_size = micro
         plugin.global_batch_size = micro * plugin.num_micro_batches * layout.dp_size
-        step_cls = plugin.custom_train_step_class
-        if step_cls is None:
-            from train_steps import GPTTrainStep as step_cls
         step = step_cls(megatron_args(plugin, model, micro, layout.dp_size), **plugin.custom_train_step_kwargs)
         if self.device.type == "cuda":
             from .gpu_engine import MegatronCoreEngine
@@ -182,9 +169,8 @@ class Accelerator(accelerate.Accelerator):
             engine = MegatronCoreEngine(chunks, optimizers[0], schedulers[0] if schedulers else None, plugin, step,
                                         layout.device, dtype, compile_kwargs=compile_kwargs)
         else:
-            mcore_params = dict(model.module.named_parameters())
-            names = mcore_to_hf_names(model.family, model.hf_config, model.plan, model.lm_head)
-            inner = rebuild_optimizer(optimizers[0], hf_model, names, mcore_params)
+            sources = mcore_to_hf_sources(model.family, model.hf_config, model.plan, model.lm_head)
+            inner = rebuild_optimizer(optimizers[0], hf_model, sources, dict(model.module.named_parameters()))
             sched = build_scheduler(schedulers[0], inner, plugin) if schedulers else None
             engine = MegatronEngine(chunks, inner, sched, plugin, step, layout.device, autocast_dtype=dtype)
         self._engine = engine

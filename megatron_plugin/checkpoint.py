@@ -18,6 +18,7 @@ previous one), and a half-written staging folder is never what `load_state` read
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import shutil
@@ -30,6 +31,9 @@ from megatron.core import parallel_state, tensor_parallel
 from safetensors.torch import load_file, save_file
 
 from .errors import MegatronPluginConfigError
+from .fs import atomic_write_text, check_writable, file_checksum
+
+logger = logging.getLogger(__name__)
 
 LATEST = "latest"
 FORMAT = "megatron_plugin/1"
@@ -70,15 +74,6 @@ def _vpp(engine):
     return len(engine.chunks) if len(engine.chunks) > 1 else None
 
 
-def _atomic_write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _chunk_tensors(engine):
     """(name in the model file, live tensor) for every chunk's weights: what save writes and load fills."""
     n = len(engine.chunks)
@@ -108,54 +103,103 @@ def _set_rng_state(state: dict, engine) -> None:
 
 
 def write_meta(path: str, meta: dict) -> None:
-    _atomic_write_text(path, json.dumps(meta, indent=2))
+    atomic_write_text(path, json.dumps(meta, indent=2))
 
 
 def point_latest(output_dir: str, tag: str) -> None:
-    _atomic_write_text(os.path.join(output_dir, LATEST), tag)
+    atomic_write_text(os.path.join(output_dir, LATEST), tag)
+
+
+def verify_file(ckpt: str, relpath: str, meta: dict) -> str:
+    """The absolute path of a checkpoint file after checking it against meta.json's checksum."""
+    path = os.path.join(ckpt, relpath)
+    if not os.path.exists(path):
+        raise MegatronPluginConfigError("load_state", ckpt, f"the checkpoint lacks {relpath}: it is incomplete")
+    expected = (meta.get("files") or {}).get(relpath)
+    if expected is not None:
+        got = file_checksum(path)
+        if got != expected:
+            raise MegatronPluginConfigError(
+                "load_state", path,
+                f"the file is damaged: {got['bytes']} bytes with CRC-32 {got['crc32']}, but it was saved as "
+                f"{expected['bytes']} bytes with CRC-32 {expected['crc32']}; restore it or load an older checkpoint",
+            )
+    return path
+
+
+def _broadcast_error(message: Optional[str]) -> None:
+    """Rank 0 found `message` (or None): every rank raises it, so none waits in a collective."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    if box[0] is not None:
+        setting, value, fix = box[0]
+        raise MegatronPluginConfigError(setting, value, fix)
 
 
 def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer: bool = False) -> str:
-    """Collective: every rank calls it. Returns the checkpoint's folder."""
+    """Collective: every rank calls it. Returns the checkpoint's folder.
+
+    The folder holds one checkpoint: the previous one (whatever its iteration) is deleted once the new
+    one is complete and `latest` names it."""
     rank = dist.get_rank()
     output_dir = os.path.abspath(output_dir)
     tag = [None]
+    problem = None
     if rank == 0:
-        os.makedirs(output_dir, exist_ok=True)
-        base, k = f"iter_{engine.iteration:07d}", 0
-        tag[0] = base
-        while os.path.exists(os.path.join(output_dir, tag[0])):
-            k += 1
-            tag[0] = f"{base}_{k}"
-        staging = os.path.join(output_dir, f".{tag[0]}.partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        for sub in ("model", "optimizer", "rng", "custom"):
-            os.makedirs(os.path.join(staging, sub))
+        try:
+            check_writable(output_dir, "save_state(output_dir)")
+            os.makedirs(output_dir, exist_ok=True)
+            base, k = f"iter_{engine.iteration:07d}", 0
+            tag[0] = base
+            while os.path.exists(os.path.join(output_dir, tag[0])):
+                k += 1
+                tag[0] = f"{base}_{k}"
+            staging = os.path.join(output_dir, f".{tag[0]}.partial")
+            shutil.rmtree(staging, ignore_errors=True)
+            for sub in ("model", "optimizer", "rng", "custom"):
+                os.makedirs(os.path.join(staging, sub))
+        except MegatronPluginConfigError as err:
+            problem = (err.setting, err.value, err.fix)
+        except OSError as err:
+            problem = ("save_state(output_dir)", output_dir, f"cannot write there ({err.strerror}): choose another folder")
+    _broadcast_error(problem)
     dist.broadcast_object_list(tag, src=0)
     tag = tag[0]
     staging = os.path.join(output_dir, f".{tag}.partial")
     dist.barrier()
 
+    written = []
     tp_rank, pp_rank, dp_rank = _rank()
     name = shard_name(tp_rank, pp_rank)
     if dp_rank == 0:
         tensors = {k: v.detach().contiguous().cpu() for k, v in _chunk_tensors(engine)}
         save_file(tensors, model_file(staging, tp_rank, pp_rank))
-        torch.save(engine.optimizer.state_dict(), os.path.join(staging, "optimizer", f"{name}_dp000.pt"))
+        written.append(model_file(staging, tp_rank, pp_rank))
+        written.append(os.path.join(staging, "optimizer", f"{name}_dp000.pt"))
+        torch.save(engine.optimizer.state_dict(), written[-1])
     if distributed_optimizer:
         # mcore gathers the DP-sharded optimizer state onto DP rank 0 of each model-parallel rank
-        engine.optimizer.save_parameter_state(os.path.join(staging, "optimizer", f"{name}_param_state.pt"))
-    torch.save(_rng_state(engine), os.path.join(staging, "rng", f"rank{rank:05d}.pt"))
+        path = os.path.join(staging, "optimizer", f"{name}_param_state.pt")
+        engine.optimizer.save_parameter_state(path)
+        if dp_rank == 0:
+            written.append(path)
+    written.append(os.path.join(staging, "rng", f"rank{rank:05d}.pt"))
+    torch.save(_rng_state(engine), written[-1])
     if rank == 0 and engine.scheduler is not None:
-        torch.save(engine.scheduler.state_dict(), os.path.join(staging, "scheduler.pt"))
+        written.append(os.path.join(staging, "scheduler.pt"))
+        torch.save(engine.scheduler.state_dict(), written[-1])
     if rank == 0:
         for i, obj in enumerate(custom_objects):
-            torch.save(obj.state_dict(), os.path.join(staging, "custom", f"{i}.pt"))
-    dist.barrier()
+            written.append(os.path.join(staging, "custom", f"{i}.pt"))
+            torch.save(obj.state_dict(), written[-1])
+    sums = {os.path.relpath(p, staging): file_checksum(p) for p in written}
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, sums)
 
     final = os.path.join(output_dir, tag)
     if rank == 0:
-        write_meta(os.path.join(staging, "meta.json"), checkpoint_meta(
+        files = {k: v for part in everyone for k, v in part.items()}
+        write_meta(os.path.join(staging, "meta.json"), dict(checkpoint_meta(
             iteration=engine.iteration,
             tp=parallel_state.get_tensor_model_parallel_world_size(),
             pp=parallel_state.get_pipeline_model_parallel_world_size(),
@@ -167,14 +211,27 @@ def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer
             lm_head=engine.model.lm_head,
             make_vocab_size_divisible_by=engine.plugin.make_vocab_size_divisible_by,
             hf_config=engine.model.hf_config.to_dict(),
-        ))
+        ), files=dict(sorted(files.items()))))
         os.replace(staging, final)
         previous = read_latest(output_dir)
         point_latest(output_dir, tag)
         if previous and previous != tag:
+            old = _iteration_of(os.path.join(output_dir, previous))
+            if old is not None and old > engine.iteration:
+                logger.warning(
+                    "save_state: %s held a checkpoint of iteration %d; it is replaced by this one of iteration %d "
+                    "(a save_state folder keeps the last checkpoint saved into it)", output_dir, old, engine.iteration)
             shutil.rmtree(os.path.join(output_dir, previous), ignore_errors=True)
     dist.barrier()
     return final
+
+
+def _iteration_of(ckpt: str) -> Optional[int]:
+    try:
+        with open(os.path.join(ckpt, "meta.json")) as f:
+            return int(json.load(f)["iteration"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def read_latest(output_dir: str) -> Optional[str]:
@@ -187,6 +244,10 @@ def read_latest(output_dir: str) -> Optional[str]:
 
 def resolve_checkpoint(input_dir: str) -> str:
     """A folder with `latest`, or a checkpoint folder itself (with meta.json)."""
+    if input_dir is None or not os.path.isdir(input_dir):
+        raise MegatronPluginConfigError(
+            "load_state input_dir", input_dir, "no such folder: pass the folder given to accelerator.save_state"
+        )
     if os.path.exists(os.path.join(input_dir, "meta.json")):
         return input_dir
     tag = read_latest(input_dir)
@@ -199,54 +260,130 @@ def resolve_checkpoint(input_dir: str) -> str:
     return os.path.join(input_dir, tag)
 
 
+def read_meta(ckpt: str) -> dict:
+    """meta.json of a checkpoint folder, or a clear error naming it."""
+    path = os.path.join(ckpt, "meta.json")
+    try:
+        with open(path) as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as err:
+        raise MegatronPluginConfigError("load_state", path, f"cannot read the checkpoint's metadata ({err})") from None
+    needed = ("format", "iteration", "tp", "pp", "dp", "hf_config", "family", "lm_head", "make_vocab_size_divisible_by")
+    missing = [k for k in needed if k not in meta] if isinstance(meta, dict) else list(needed)
+    if missing or meta.get("format") != FORMAT:
+        raise MegatronPluginConfigError(
+            "load_state", path, f"not a {FORMAT} checkpoint's metadata (missing {missing or 'format'}): is the file damaged?"
+        )
+    return meta
+
+
+def _load_model_file(path: str) -> dict:
+    try:
+        return load_file(path)
+    except Exception as err:  # safetensors raises its own error types for truncated or garbled files
+        raise MegatronPluginConfigError("load_state", path, f"cannot read this model shard ({err}): is it complete?") from None
+
+
+def _torch_load(path: str, map_location=None):
+    try:
+        return torch.load(path, map_location=map_location, weights_only=False)
+    except Exception as err:
+        raise MegatronPluginConfigError("load_state", path, f"cannot read this file ({err}): is it complete?") from None
+
+
+def _agree(fn):
+    """Run `fn` on every rank; if it raised a MegatronPluginConfigError on any rank, raise on all of them
+    (the rank's own error where it has one), so no rank is left waiting in a later collective."""
+    try:
+        result, problem = fn(), None
+    except MegatronPluginConfigError as err:
+        result, problem = None, (err.setting, err.value, err.fix)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, problem)
+    first = problem or next((p for p in everyone if p is not None), None)
+    if first is not None:
+        raise MegatronPluginConfigError(*first)
+    return result
+
+
 def load_state(input_dir: str, engine, custom_objects=()) -> dict:
-    """Collective. Loads model shards, optimizer, scheduler, RNG and iteration; returns meta.json."""
-    ckpt = resolve_checkpoint(input_dir)
-    with open(os.path.join(ckpt, "meta.json")) as f:
-        meta = json.load(f)
+    """Collective. Loads model shards, optimizer, scheduler, RNG and iteration; returns meta.json.
+    Every file is checked against the checksum saved with it before anything is loaded."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
-    vpp = _vpp(engine)
-    if (meta["tp"], meta["pp"], meta.get("vpp")) != (tp, pp, vpp):
-        raise MegatronPluginConfigError(
-            "tp_degree/pp_degree/virtual stages", f"{tp}/{pp}/{vpp}",
-            f"the checkpoint {ckpt} was saved with tp={meta['tp']}, pp={meta['pp']}, virtual stages="
-            f"{meta.get('vpp')}: run with that layout, or reshape it with `python -m checkpoint_utils.convert`",
-        )
-    tp_rank, pp_rank, _ = _rank()
+    tp_rank, pp_rank, dp_rank = _rank()
     name = shard_name(tp_rank, pp_rank)
-    tensors = load_file(model_file(ckpt, tp_rank, pp_rank))
-    with torch.no_grad():
+    vpp = _vpp(engine)
+
+    def read():
+        ckpt = resolve_checkpoint(input_dir)
+        meta = read_meta(ckpt)
+        if (meta["tp"], meta["pp"], meta.get("vpp")) != (tp, pp, vpp):
+            raise MegatronPluginConfigError(
+                "tp_degree/pp_degree/virtual stages", f"{tp}/{pp}/{vpp}",
+                f"the checkpoint {ckpt} was saved with tp={meta['tp']}, pp={meta['pp']}, virtual stages="
+                f"{meta.get('vpp')}: run with that layout, or reshape it with `python -m checkpoint_utils.convert`",
+            )
+        path = verify_file(ckpt, os.path.relpath(model_file(ckpt, tp_rank, pp_rank), ckpt), meta)
+        tensors = _load_model_file(path)
         for key, dest in _chunk_tensors(engine):
             if key not in tensors:
-                raise KeyError(f"checkpoint {ckpt} lacks model tensor {key}")
-            dest.copy_(tensors[key])
-    if meta.get("model_only"):
-        # written by checkpoint_utils: weights only; optimizer, scheduler and RNG start fresh
-        engine.iteration = meta["iteration"]
-        dist.barrier()
-        return meta
-    if meta["distributed_optimizer"] != engine.plugin.use_distributed_optimizer:
-        raise MegatronPluginConfigError(
-            "use_distributed_optimizer", engine.plugin.use_distributed_optimizer,
-            f"{ckpt} was saved with use_distributed_optimizer={meta['distributed_optimizer']}: resume with the same",
-        )
-    engine.optimizer.load_state_dict(
-        torch.load(os.path.join(ckpt, "optimizer", f"{name}_dp000.pt"), map_location=engine.device, weights_only=False)
-    )
-    if meta["distributed_optimizer"]:
-        engine.optimizer.load_parameter_state(os.path.join(ckpt, "optimizer", f"{name}_param_state.pt"))
-    if engine.scheduler is not None:
-        engine.scheduler.load_state_dict(torch.load(os.path.join(ckpt, "scheduler.pt"), weights_only=False))
-    rng_path = os.path.join(ckpt, "rng", f"rank{dist.get_rank():05d}.pt")
-    if not os.path.exists(rng_path):
-        raise MegatronPluginConfigError(
-            "world size", dist.get_world_size(),
-            f"{ckpt} holds RNG states for {meta['world_size']} ranks; resume with the same number of processes",
-        )
-    _set_rng_state(torch.load(rng_path, weights_only=False), engine)
-    for i, obj in enumerate(custom_objects):
-        obj.load_state_dict(torch.load(os.path.join(ckpt, "custom", f"{i}.pt"), weights_only=False))
+                raise MegatronPluginConfigError(
+                    "load_state", path, f"the shard lacks tensor {key!r}: it is of another model "
+                    f"({meta['hf_config'].get('model_type')}, {meta['hf_config'].get('num_hidden_layers', meta['hf_config'].get('n_layer'))} layers)",
+                )
+            if tensors[key].shape != dest.shape:
+                raise MegatronPluginConfigError(
+                    "load_state", path, f"tensor {key!r} has shape {tuple(tensors[key].shape)} in the checkpoint but "
+                    f"{tuple(dest.shape)} in this model: the checkpoint is of another model size",
+                )
+        state = {"ckpt": ckpt, "meta": meta, "tensors": tensors}
+        if meta.get("model_only"):
+            return state
+        if meta["distributed_optimizer"] != engine.plugin.use_distributed_optimizer:
+            raise MegatronPluginConfigError(
+                "use_distributed_optimizer", engine.plugin.use_distributed_optimizer,
+                f"{ckpt} was saved with use_distributed_optimizer={meta['distributed_optimizer']}: resume with the same",
+            )
+        rng_rel = os.path.join("rng", f"rank{dist.get_rank():05d}.pt")
+        if meta["world_size"] != dist.get_world_size():
+            raise MegatronPluginConfigError(
+                "world size", dist.get_world_size(),
+                f"{ckpt} holds RNG states for {meta['world_size']} ranks; resume with the same number of processes",
+            )
+        state["optimizer"] = _torch_load(verify_file(ckpt, os.path.join("optimizer", f"{name}_dp000.pt"), meta),
+                                         map_location=engine.device)
+        if meta["distributed_optimizer"] and dp_rank == 0:
+            verify_file(ckpt, os.path.join("optimizer", f"{name}_param_state.pt"), meta)
+        if engine.scheduler is not None:
+            state["scheduler"] = _torch_load(verify_file(ckpt, "scheduler.pt", meta))
+        state["rng"] = _torch_load(verify_file(ckpt, rng_rel, meta))
+        state["custom"] = [_torch_load(verify_file(ckpt, os.path.join("custom", f"{i}.pt"), meta))
+                           for i in range(len(custom_objects))]
+        return state
+
+    state = _agree(read)
+    ckpt, meta = state["ckpt"], state["meta"]
+    with torch.no_grad():
+        for key, dest in _chunk_tensors(engine):
+            dest.copy_(state["tensors"][key])
+    if not meta.get("model_only"):
+        # model_only checkpoints (checkpoint_utils) are weights: optimizer, scheduler and RNG start fresh
+        try:
+            engine.optimizer.load_state_dict(state["optimizer"])
+        except (ValueError, KeyError, RuntimeError) as err:
+            raise MegatronPluginConfigError(
+                "load_state", os.path.join(ckpt, "optimizer"),
+                f"the optimizer state does not fit this run's optimizer ({err}): was it saved with other parameter "
+                "groups or frozen parameters?",
+            ) from None
+        if meta["distributed_optimizer"]:
+            engine.optimizer.load_parameter_state(os.path.join(ckpt, "optimizer", f"{name}_param_state.pt"))
+        if engine.scheduler is not None:
+            engine.scheduler.load_state_dict(state["scheduler"])
+        _set_rng_state(state["rng"], engine)
+        for obj, saved in zip(custom_objects, state["custom"]):
+            obj.load_state_dict(saved)
     engine.iteration = meta["iteration"]
     dist.barrier()
     return meta

@@ -1,8 +1,10 @@
-"""`megatron-plugin config`: the Megatron questions of `accelerate config`, writing a YAML that
-`accelerate launch --config_file` takes as it is.
+"""`megatron-plugin`: the Megatron questions of `accelerate config`, and a checked `accelerate launch`.
 
     megatron-plugin config --config_file megatron_gpt_config.yaml          # asks
     megatron-plugin config --config_file cfg.yaml --tp 2 --num_processes 2 --cpu --non_interactive
+    megatron-plugin launch --config_file cfg.yaml train.py --output_dir out # checks the YAML, then launches
+
+The YAML is accelerate's own format: `accelerate launch --config_file cfg.yaml` takes it as it is.
 """
 
 from __future__ import annotations
@@ -13,10 +15,8 @@ import sys
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-import yaml
-
 from .errors import MegatronPluginConfigError
-from .plugin import MegatronLMPlugin, parse_bool, parse_float, parse_int
+from .plugin import MegatronLMPlugin, check_compile, check_cpu_support, parse_bool, parse_float, parse_int
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -37,30 +37,58 @@ def _precision(setting, raw):
     return value
 
 
-# In the order and words of `accelerate config`'s Megatron-LM questions.
+def _on_gpu(answers):
+    return not answers["cpu"]
+
+
+# In the order and words of `accelerate config`'s Megatron-LM questions. On CPU the settings that need
+# CUDA (pipeline, sequence parallelism, recompute, distributed optimizer, compile) are not asked: off.
 QUESTIONS = [
     Question("cpu", "Do you want to run on CPU only (gloo; for development and CI)? [yes/NO]: ", False, parse_bool),
     Question("tp", "What is the Tensor Parallelism degree/size? [1]: ", 1, parse_int),
     Question("sp", "Do you want to enable Sequence Parallelism? [YES/no]: ", True, parse_bool,
-             ask_if=lambda a: a["tp"] > 1),
-    Question("pp", "What is the Pipeline Parallelism degree/size? [1]: ", 1, parse_int),
+             ask_if=lambda a: a["tp"] > 1 and _on_gpu(a)),
+    Question("pp", "What is the Pipeline Parallelism degree/size? [1]: ", 1, parse_int, ask_if=_on_gpu),
     Question("num_micro_batches", "What is the number of micro-batches? [1]: ", 1, parse_int),
-    Question("recompute", "Do you want to enable selective activation recomputation? [YES/no]: ", True, parse_bool),
+    Question("recompute", "Do you want to enable selective activation recomputation? [YES/no]: ", True, parse_bool,
+             ask_if=_on_gpu),
     Question("distributed_optimizer", "Do you want to use distributed optimizer which shards optimizer state and "
-             "gradients across data parallel ranks? [YES/no]: ", True, parse_bool),
+             "gradients across data parallel ranks? [YES/no]: ", True, parse_bool, ask_if=_on_gpu),
     Question("gradient_clipping", "What is the gradient clipping value based on global L2 Norm (0 to disable)? [1.0]: ",
              1.0, parse_float),
     Question("num_processes", "How many processes (GPUs, or CPU processes) should be used for distributed training? [1]: ",
              1, parse_int),
     Question("mixed_precision", "Do you wish to use FP16 or BF16 (mixed precision)? [NO/fp16/bf16]: ", "no", _precision),
     Question("compile", "Do you want to compile the Megatron layers with torch.compile (Inductor)? [yes/NO]: ", False,
-             parse_bool, ask_if=lambda a: not a["cpu"]),
+             parse_bool, ask_if=_on_gpu),
 ]
+
+# plugin / answer names -> the flag a user types
+FLAGS = {
+    "cpu": "--cpu", "tp": "--tp", "tp_degree": "--tp", "sp": "--sp", "sequence_parallelism": "--sp", "pp": "--pp",
+    "pp_degree": "--pp", "num_micro_batches": "--num_micro_batches", "recompute": "--recompute",
+    "recompute_activations": "--recompute", "distributed_optimizer": "--distributed_optimizer",
+    "use_distributed_optimizer": "--distributed_optimizer", "gradient_clipping": "--gradient_clipping",
+    "num_processes": "--num_processes", "mixed_precision": "--mixed_precision", "compile": "--compile",
+    "torch_compile": "--compile", "tp_degree*pp_degree": "--tp * --pp",
+}
+
+
+def _as_flags(err: MegatronPluginConfigError) -> MegatronPluginConfigError:
+    return MegatronPluginConfigError(FLAGS.get(err.setting, err.setting), err.value, err.fix)
 
 
 def ask(question: Question, input_fn=input, print_fn=print):
     while True:
-        raw = input_fn(question.prompt).strip()
+        try:
+            raw = input_fn(question.prompt).strip()
+        except EOFError:
+            print_fn("")
+            raise MegatronPluginConfigError(
+                FLAGS[question.key], None,
+                "the input ended before this question was answered: answer it, pass the flag, or add "
+                "--non_interactive to take the defaults",
+            ) from None
         if raw == "":
             return question.default
         try:
@@ -69,24 +97,23 @@ def ask(question: Question, input_fn=input, print_fn=print):
             print_fn(f"  {err.fix}")
 
 
-def plugin_from_answers(a: dict) -> MegatronLMPlugin:
+def plugin_from_answers(a: dict):
     """The plugin these answers describe, validated as the launched script will validate it."""
-    plugin = MegatronLMPlugin(
-        tp_degree=a["tp"], pp_degree=a["pp"], num_micro_batches=a["num_micro_batches"],
-        gradient_clipping=a["gradient_clipping"], sequence_parallelism=a["sp"] and a["tp"] > 1,
-        recompute_activations=a["recompute"], use_distributed_optimizer=a["distributed_optimizer"],
-    )
-    plugin.validate(world_size=a["num_processes"])
-    if a["cpu"]:
-        from .accelerator import check_cpu_support
-
-        check_cpu_support(plugin)
-    if a.get("compile"):
-        from .accelerator import check_compile
-
-        check_compile(plugin, {"backend": "inductor"}, "cpu" if a["cpu"] else "cuda")
+    try:
+        plugin = MegatronLMPlugin(
+            tp_degree=a["tp"], pp_degree=a["pp"], num_micro_batches=a["num_micro_batches"],
+            gradient_clipping=a["gradient_clipping"], sequence_parallelism=a["sp"] and a["tp"] > 1,
+            recompute_activations=a["recompute"], use_distributed_optimizer=a["distributed_optimizer"],
+        )
+        plugin.validate(world_size=a["num_processes"])
+        if a["cpu"]:
+            check_cpu_support(plugin)
+        if a.get("compile"):
+            check_compile(plugin, {"backend": "inductor"}, "cpu" if a["cpu"] else "cuda")
+    except MegatronPluginConfigError as err:
+        raise _as_flags(err) from None
     if a["cpu"] and a["mixed_precision"] == "fp16":
-        raise MegatronPluginConfigError("mixed_precision", "fp16", "fp16 needs CUDA; answer 'no' or 'bf16' for CPU")
+        raise MegatronPluginConfigError("--mixed_precision", "fp16", "fp16 needs CUDA; answer 'no' or 'bf16' for CPU")
     return plugin
 
 
@@ -118,56 +145,98 @@ def to_yaml_dict(a: dict) -> dict:
     }
 
 
+def _off_on_cpu(q: Question, answers: dict):
+    """The answer of a question that is not asked: off on CPU (where it needs CUDA), else its default."""
+    if isinstance(q.default, bool):
+        return False
+    return 1 if q.key == "pp" else q.default
+
+
 def run_config(args, input_fn=input, print_fn=print) -> str:
+    import yaml
+
     answers = {}
     for q in QUESTIONS:
         given = getattr(args, q.key)
         if given is not None:
-            answers[q.key] = q.parse(q.key, given) if isinstance(given, str) else given
+            try:
+                answers[q.key] = q.parse(q.key, given) if isinstance(given, str) else given
+            except MegatronPluginConfigError as err:
+                raise _as_flags(err) from None
         elif not q.ask_if(answers):
-            answers[q.key] = False if isinstance(q.default, bool) else q.default
+            answers[q.key] = _off_on_cpu(q, answers)
         elif args.non_interactive:
             answers[q.key] = q.default
         else:
             answers[q.key] = ask(q, input_fn, print_fn)
     plugin_from_answers(answers)
     path = args.config_file
-    if os.path.dirname(path):
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        yaml.safe_dump(to_yaml_dict(answers), f, sort_keys=True)
+    from .fs import check_writable
+
+    try:
+        try:
+            check_writable(os.path.dirname(os.path.abspath(path)), "--config_file")
+        except MegatronPluginConfigError as err:
+            raise MegatronPluginConfigError("--config_file", path, err.fix) from None
+        if os.path.isdir(path):
+            raise MegatronPluginConfigError("--config_file", path, "is a folder: name a file, e.g. megatron_config.yaml")
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w") as f:
+            yaml.safe_dump(to_yaml_dict(answers), f, sort_keys=True)
+    except OSError as err:
+        raise MegatronPluginConfigError("--config_file", path, f"cannot write it ({err.strerror}): choose another path") from None
     print_fn(f"accelerate configuration saved at {path}")
     return path
 
 
+def run_launch(args) -> int:
+    """Check the config YAML (valid YAML, every megatron_lm_* key known to accelerate, a sane process
+    count), then hand everything to `accelerate launch`."""
+    from .launch_config import check_config, load_config
+
+    check_config(load_config(args.config_file), args.config_file)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file, *args.script_args]
+    os.execv(sys.executable, cmd)
+    return 0  # not reached
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="megatron-plugin")
+    parser = argparse.ArgumentParser(prog="megatron-plugin", description=__doc__.splitlines()[0],
+                                     epilog=__doc__.partition("\n\n")[2].split("\n\nThe YAML")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     cfg = sub.add_parser("config", help="write an accelerate config YAML for a Megatron run")
     cfg.add_argument("--config_file", default="megatron_config.yaml")
     cfg.add_argument("--non_interactive", action="store_true", help="take defaults for anything not given")
-    cfg.add_argument("--cpu", default=None, help="run on CPU (gloo): true/false")
-    cfg.add_argument("--tp", default=None)
-    cfg.add_argument("--sp", default=None, help="sequence parallelism: true/false")
-    cfg.add_argument("--pp", default=None)
+    cfg.add_argument("--cpu", nargs="?", const="yes", default=None, help="run on CPU (gloo); bare --cpu means yes")
+    cfg.add_argument("--tp", default=None, help="tensor parallel degree")
+    cfg.add_argument("--sp", default=None, help="sequence parallelism: yes/no")
+    cfg.add_argument("--pp", default=None, help="pipeline parallel degree")
     cfg.add_argument("--num_micro_batches", default=None)
-    cfg.add_argument("--recompute", default=None, help="selective activation recomputation: true/false")
-    cfg.add_argument("--distributed_optimizer", default=None, help="true/false")
+    cfg.add_argument("--recompute", default=None, help="selective activation recomputation: yes/no")
+    cfg.add_argument("--distributed_optimizer", default=None, help="yes/no")
     cfg.add_argument("--gradient_clipping", default=None)
     cfg.add_argument("--num_processes", default=None)
     cfg.add_argument("--mixed_precision", default=None, choices=PRECISIONS)
-    cfg.add_argument("--compile", default=None, help="compile the Megatron layers with torch.compile (GPU): true/false")
+    cfg.add_argument("--compile", default=None, help="compile the Megatron layers with torch.compile (GPU): yes/no")
+    launch = sub.add_parser("launch", help="check a config YAML, then run `accelerate launch` with it")
+    launch.add_argument("--config_file", required=True)
+    launch.add_argument("script_args", nargs=argparse.REMAINDER, help="the training script and its arguments")
     return parser
 
 
 def main(argv: Optional[list] = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "config":
-        try:
+    try:
+        if args.command == "config":
             run_config(args)
-        except MegatronPluginConfigError as err:
-            print(f"error: {err}", file=sys.stderr)
-            return 2
+        elif args.command == "launch":
+            if not args.script_args:
+                raise MegatronPluginConfigError("script", None, "name the training script after the options")
+            return run_launch(args)
+    except MegatronPluginConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -107,12 +107,9 @@ def gather_hf_state_dict(
     return dict(mcore_to_hf(shards, rules, dims, plan))
 
 
-def mcore_to_hf_names(family: ModelFamily, hf_config, plan: StagePlan, lm_head: bool) -> Dict[str, str]:
-    """Megatron parameter name -> the (first) HF parameter it is made from, named as in the HF model
-    the user passed (base models without `family.base_prefix`)."""
+def mcore_to_hf_sources(family: ModelFamily, hf_config, plan: StagePlan, lm_head: bool) -> Dict[str, tuple]:
+    """Megatron parameter name -> the HF parameters it is made from (q, k and v for a fused QKV), named
+    as in the HF model the user passed (base models without `family.base_prefix`)."""
     rules = family.table(hf_config, lm_head)
-    out = {}
-    for _, hf_names, mcore_name in expand(rules, plan):
-        name = hf_names[0]
-        out[mcore_name] = name if lm_head else name[len(family.base_prefix):]
-    return out
+    strip = 0 if lm_head else len(family.base_prefix)
+    return {mcore_name: tuple(n[strip:] for n in hf_names) for _, hf_names, mcore_name in expand(rules, plan)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import random
 import socket
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -56,6 +57,8 @@ def init_process_group(timeout_minutes: int = 30) -> torch.device:
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
+        # mcore's linears recommend this CUDA setting on every call; it means nothing on CPU
+        warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

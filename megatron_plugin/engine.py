@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from types import SimpleNamespace
 from typing import Dict, List
 
@@ -57,6 +58,14 @@ class MegatronEngine(torch.nn.Module):
     # -- the step -------------------------------------------------------------------------------
     def forward(self, **batch):
         micro_batches = self._split(batch)
+        cls = self.train_step_handler.model_output_class
+        if not self._check_batch(batch):
+            # no token of the whole step carries a loss: say so, and leave the weights alone
+            self.last_step_skipped = True
+            if self.training:
+                self.iteration += 1
+            nan = torch.full((), float("nan"), device=self.device)
+            return cls(loss=nan, logits=None) if cls is not None else nan
         with self.rng.active():
             if self.training:
                 logs = self._train_step(micro_batches)
@@ -65,22 +74,82 @@ class MegatronEngine(torch.nn.Module):
                 with torch.no_grad():
                     logs, logits = self._eval_step(micro_batches)
         loss = sum(logs.values()) if logs else torch.zeros((), device=self.device)
-        cls = self.train_step_handler.model_output_class
         return cls(loss=loss, logits=logits) if cls is not None else loss
 
     def _split(self, batch) -> List[Dict[str, torch.Tensor]]:
         if not batch:
             raise MegatronPluginConfigError("batch", {}, "pass the dataloader's batch: model(**batch)")
+        tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
+        if "input_ids" not in tensors:
+            raise MegatronPluginConfigError(
+                "batch", sorted(batch), "the batch needs 'input_ids' (a [batch, sequence] tensor of token ids)"
+            )
+        ids = tensors["input_ids"]
+        if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0 or ids.is_floating_point():
+            raise MegatronPluginConfigError(
+                "input_ids", f"{ids.dtype} tensor of shape {tuple(ids.shape)}",
+                "pass integer token ids shaped [batch, sequence] with at least one row and one token",
+            )
         n = self.plugin.num_micro_batches
-        size = next(iter(batch.values())).shape[0]
+        size = ids.shape[0]
         if size % n:
             raise MegatronPluginConfigError(
                 "num_micro_batches", n,
                 f"a batch of {size} samples does not split into {n} micro-batches: use drop_last=True in the "
                 "DataLoader, or a batch size that is a multiple of num_micro_batches",
             )
-        batch = {k: v.to(self.device) for k, v in batch.items() if torch.is_tensor(v)}
+        for k, v in tensors.items():
+            if v.dim() == 0 or v.shape[0] != size:
+                raise MegatronPluginConfigError(
+                    f"batch[{k!r}]", tuple(v.shape), f"every tensor of the batch needs the {size} rows of input_ids first"
+                )
+        batch = {k: v.to(self.device) for k, v in tensors.items()}
         return [{k: v.chunk(n)[i] for k, v in batch.items()} for i in range(n)]
+
+    def _check_batch(self, batch) -> bool:
+        """Refuse token ids or labels the model cannot have, or a sequence longer than its positions, on
+        every rank alike (one small all-reduce, so no rank is left waiting in a collective). Returns
+        False when no token of the whole step carries a loss."""
+        cfg = self.model.hf_config
+        vocab = cfg.vocab_size
+        ids = batch["input_ids"]
+        labels = batch.get("labels")
+        limit = self.model.family.position_limit(cfg)
+        local = torch.zeros(4, dtype=torch.int64, device=self.device)
+        ids_bad = (ids.min() < 0) | (ids.max() >= vocab)
+        local[0] = ids_bad.to(self.device)
+        if torch.is_tensor(labels):
+            labels = labels.to(self.device)
+            local[1] = (((labels < 0) & (labels != -100)) | (labels >= vocab)).any()
+        local[2] = int(limit is not None and ids.shape[1] > limit)
+        tokens = self.train_step_handler.count_loss_tokens(batch)
+        local[3] = 1 if tokens is None else tokens.to(self.device)
+        status = local.clone()
+        dist.all_reduce(status)
+        bad_ids, bad_labels, too_long, tokens = status.tolist()
+        here = " (this rank's batch)" if local[:3].any() else " (another rank's batch)"
+        if bad_ids:
+            raise MegatronPluginConfigError(
+                "input_ids", f"ids outside [0, {vocab}){here}" + (f": min {int(ids.min())}, max {int(ids.max())}" if local[0] else ""),
+                f"the model's vocabulary has {vocab} entries: use its tokenizer (or resize_token_embeddings before prepare)",
+            )
+        if bad_labels:
+            raise MegatronPluginConfigError(
+                "labels", f"ids outside [0, {vocab}) other than -100{here}",
+                "labels are token ids of the model's vocabulary, or -100 for positions without loss",
+            )
+        if too_long:
+            raise MegatronPluginConfigError(
+                "sequence length", f"{ids.shape[1]} > {limit}{here}" if local[2] else f"> {limit}{here}",
+                f"the model has {limit} positions: cut the sequences (block_size / max_length) to at most {limit}",
+            )
+        if tokens == 0:
+            warnings.warn(
+                f"step {self.iteration}: every label of the batch is -100 (ignored), so there is no loss: the "
+                "step is skipped and reports loss nan. Check the collator (e.g. prompts longer than max_length)."
+            )
+            return False
+        return True
 
     def _autocast(self):
         if self.autocast_dtype is None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
@@ -24,13 +24,46 @@ def check_optimizer(optimizer) -> None:
         )
 
 
+def trainable_flags(hf_model: torch.nn.Module, user_opt: torch.optim.Optimizer,
+                    sources: Dict[str, Tuple[str, ...]]) -> Dict[str, bool]:
+    """Megatron parameter name -> trainable?, following the HF model's `requires_grad`, after checking
+    that the optimizer holds every trainable parameter. Both HF idioms work: an optimizer over all
+    parameters (frozen ones are then skipped, as torch skips parameters without gradients) or over the
+    trainable ones only. Pure: call it before any process group exists to validate, and again per
+    model chunk to apply. `sources`: Megatron name -> the HF names it is made from."""
+    hf_params = dict(hf_model.named_parameters(remove_duplicate=False))
+    in_optimizer = {id(p) for g in user_opt.param_groups for p in g["params"]}
+    flags = {}
+    for name, hf_names in sources.items():
+        srcs = [(n, hf_params[n]) for n in hf_names if n in hf_params]
+        trainable = {p.requires_grad for _, p in srcs}
+        if len(trainable) > 1:
+            raise MegatronPluginConfigError(
+                "requires_grad", f"{[n for n, p in srcs if not p.requires_grad]} frozen, "
+                f"{[n for n, p in srcs if p.requires_grad]} not",
+                f"Megatron fuses these HF tensors into one ({name}): freeze all of them or none",
+            )
+        flags[name] = trainable != {False}
+        missing = [n for n, p in srcs if flags[name] and id(p) not in in_optimizer]
+        if missing:
+            raise MegatronPluginConfigError(
+                "optimizer", f"parameter {missing[0]} missing",
+                f"{missing[0]} is trainable (requires_grad=True) but in no optimizer group: pass it to the "
+                "optimizer, or freeze it with requires_grad_(False) before prepare",
+            )
+    if not any(flags.values()):
+        raise MegatronPluginConfigError("requires_grad", False,
+                                        "every parameter of the model is frozen: unfreeze what should train")
+    return flags
+
+
 def rebuild_optimizer(user_opt: torch.optim.Optimizer, hf_model: torch.nn.Module,
-                      mcore_names: Dict[str, str], mcore_params: Dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
-    """Same class, same per-group hyper-parameters, over the Megatron parameters of this rank.
+                      sources: Dict[str, Tuple[str, ...]], mcore_params: Dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
+    """Same class, same per-group hyper-parameters, over the trainable Megatron parameters of this rank.
 
     Each Megatron parameter joins the group its HF source parameter was in, so the usual
     "no weight decay for biases and LayerNorm" groups of HF scripts carry over.
-    `mcore_names`: Megatron name -> the HF name it is made from.
+    Frozen Megatron parameters (`requires_grad=False`, see `trainable_flags`) are left out.
     """
     check_optimizer(user_opt)
     hf_name_of = {id(p): n for n, p in hf_model.named_parameters()}
@@ -41,13 +74,8 @@ def rebuild_optimizer(user_opt: torch.optim.Optimizer, hf_model: torch.nn.Module
                 group_of_hf[hf_name_of[id(p)]] = gi
     groups: List[List[torch.nn.Parameter]] = [[] for _ in user_opt.param_groups]
     for name, param in mcore_params.items():
-        hf_name = mcore_names.get(name)
-        if hf_name not in group_of_hf:
-            raise MegatronPluginConfigError(
-                "optimizer", f"parameter {hf_name or name} missing",
-                "pass every model parameter to the optimizer (model.parameters() or named groups covering all)",
-            )
-        groups[group_of_hf[hf_name]].append(param)
+        if param.requires_grad:
+            groups[group_of_hf[sources[name][0]]].append(param)
     keys = SUPPORTED[type(user_opt)]
     param_groups = [
         {"params": params, **{k: g[k] for k in keys if k in g}}

@@ -7,6 +7,8 @@ from a YAML through `accelerate launch`, or from our own questionnaire.
 
 from __future__ import annotations
 
+import importlib
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Optional
@@ -43,6 +45,29 @@ def parse_float(setting: str, raw: str) -> float:
         return float(str(raw).strip())
     except ValueError:
         raise MegatronPluginConfigError(setting, raw, "use a number such as 1.0 (0 disables it)") from None
+
+
+def resolve_train_step_class(value):
+    """A train step class, or an import path to one ('pkg.module.Class' or 'pkg.module:Class')."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        module, _, name = value.replace(":", ".").rpartition(".")
+        try:
+            value = getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError, ValueError) as err:
+            raise MegatronPluginConfigError(
+                "custom_train_step_class", value,
+                f"cannot import it ({err}): pass the class itself, or an import path such as 'my_steps.MyTrainStep'",
+            ) from None
+    from train_steps import AbstractTrainStep
+
+    if not (isinstance(value, type) and issubclass(value, AbstractTrainStep)):
+        raise MegatronPluginConfigError(
+            "custom_train_step_class", value,
+            "pass a subclass of megatron_plugin.AbstractTrainStep (usually of GPTTrainStep), not an instance",
+        )
+    return value
 
 
 _PARSERS = {bool: parse_bool, int: parse_int, float: parse_float}
@@ -145,9 +170,13 @@ class MegatronLMPlugin:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise MegatronPluginConfigError(name, value, f"{name} must be a whole number >= 1")
-        if self.gradient_clipping is None or self.gradient_clipping < 0:
+        clip = self.gradient_clipping
+        if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
+            raise MegatronPluginConfigError("gradient_clipping", clip, "use a finite norm > 0, or 0 to disable clipping")
+        self.custom_train_step_class = resolve_train_step_class(self.custom_train_step_class)
+        if not isinstance(self.custom_train_step_kwargs, dict):
             raise MegatronPluginConfigError(
-                "gradient_clipping", self.gradient_clipping, "use a norm > 0, or 0 to disable clipping"
+                "custom_train_step_kwargs", self.custom_train_step_kwargs, "pass a dict of keyword arguments"
             )
         if self.sequence_parallelism and self.tp_degree == 1:
             raise MegatronPluginConfigError(
@@ -170,6 +199,8 @@ class MegatronLMPlugin:
             )
         if self.lr_decay_style not in ("constant", "linear", "cosine"):
             raise MegatronPluginConfigError("lr_decay_style", self.lr_decay_style, "use 'constant', 'linear' or 'cosine'")
+        if world_size is not None and world_size < 1:
+            raise MegatronPluginConfigError("num_processes", world_size, "launch at least one process")
         if world_size is not None:
             model_parallel = self.tp_degree * self.pp_degree
             if world_size % model_parallel:
@@ -204,3 +235,38 @@ class MegatronLMPlugin:
     def data_parallel_size(self, world_size: int) -> int:
         self.validate(world_size=world_size)
         return world_size // (self.tp_degree * self.pp_degree)
+
+
+# Plugin settings the CPU engine cannot honour: each rests on a Megatron-Core piece that is CUDA-only.
+_CUDA_ONLY = {
+    "pp_degree": (lambda p: p.pp_degree > 1, "pipeline schedules and p2p buffers", "pp_degree=1"),
+    "sequence_parallelism": (lambda p: p.sequence_parallelism, "sequence-parallel collectives", "sequence_parallelism=False"),
+    "use_distributed_optimizer": (lambda p: p.use_distributed_optimizer, "DistributedOptimizer", "use_distributed_optimizer=False"),
+    "recompute_activations": (lambda p: p.recompute_granularity is not None, "activation checkpointing (CUDA RNG states)", "recompute_activations=False"),
+}
+
+
+def check_cpu_support(plugin: MegatronLMPlugin) -> None:
+    for setting, (used, piece, fix) in _CUDA_ONLY.items():
+        if used(plugin):
+            raise MegatronPluginConfigError(
+                setting, getattr(plugin, setting),
+                f"Megatron-Core's {piece} need CUDA; for a CPU run set {fix} (the GPU engine supports it)",
+            )
+
+
+def check_compile(plugin: MegatronLMPlugin, compile_kwargs: Optional[dict], device_type: str) -> None:
+    """Compiled layers run on the CUDA engine without tensor parallelism (see the TP note below)."""
+    if compile_kwargs is None:
+        return
+    setting, value = ("torch_compile", True) if plugin.torch_compile else ("dynamo_backend", compile_kwargs.get("backend"))
+    off = "set torch_compile=False and dynamo_backend 'no' (accelerate config / Accelerator(dynamo_backend=...))"
+    if device_type != "cuda":
+        raise MegatronPluginConfigError(setting, value, f"compiled layers are for the CUDA engine only; for a CPU run {off}")
+    if plugin.tp_degree > 1:
+        # Inside a compiled layer, mcore's tensor-parallel linears (async all-gather / reduce-scatter in
+        # custom autograd functions) trained to wrong losses in our GPU tests (TP=2 + SP).
+        raise MegatronPluginConfigError(
+            setting, value, f"compiled layers are not supported with tp_degree={plugin.tp_degree} yet: {off}, "
+            "or use tp_degree=1 (data/pipeline parallelism compile fine)",
+        )

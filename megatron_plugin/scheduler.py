@@ -20,7 +20,7 @@ class MegatronLMDummyScheduler:
         self.kwargs = kwargs
 
 
-def check_scheduler(scheduler) -> None:
+def check_scheduler(scheduler, plugin=None) -> None:
     if scheduler is not None and not isinstance(scheduler, MegatronLMDummyScheduler):
         raise MegatronPluginConfigError(
             "lr_scheduler", type(scheduler).__name__,
@@ -32,15 +32,19 @@ def check_scheduler(scheduler) -> None:
             "MegatronLMDummyScheduler.total_num_steps", scheduler.total_num_steps,
             "pass the number of optimizer steps of the run (e.g. args.max_train_steps)",
         )
+    if scheduler is not None and plugin is not None:
+        decay_steps = plugin.lr_decay_iters or scheduler.total_num_steps
+        if not 0 <= scheduler.warmup_num_steps < decay_steps:
+            raise MegatronPluginConfigError(
+                "warmup_num_steps", scheduler.warmup_num_steps,
+                f"warmup must be >= 0 and shorter than the {decay_steps} decay steps (total_num_steps or lr_decay_iters)",
+            )
 
 
 def build_scheduler(dummy: MegatronLMDummyScheduler, optimizer, plugin) -> OptimizerParamScheduler:
+    check_scheduler(dummy, plugin)
     max_lr = max(g["lr"] for g in optimizer.param_groups)
     decay_steps = plugin.lr_decay_iters or dummy.total_num_steps
-    if dummy.warmup_num_steps >= decay_steps:
-        raise MegatronPluginConfigError(
-            "warmup_num_steps", dummy.warmup_num_steps, f"warmup must be shorter than the {decay_steps} decay steps"
-        )
     for g in optimizer.param_groups:
         # Megatron sets every group's lr and weight decay each step; keep each group's own values.
         g["max_lr"] = g["lr"]

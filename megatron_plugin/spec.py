@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron.core.tensor_parallel import ColumnParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
@@ -19,7 +18,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from .errors import MegatronPluginConfigError
-from .layers import Norm, RowParallelLinear, SDPAttention
+from .layers import ColumnParallelLinear, Norm, RowParallelLinear, SDPAttention
 
 
 def local_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:

@@ -66,8 +66,11 @@ def _train_and_save(save_dir):
 def test_megatron_tp2_reshaped_to_tp1_pp2_then_hf_bit_exact(tmp_path):
     trained = run_on_ranks(_train_and_save, 2, str(tmp_path / "run"))[0]
     reshape_megatron(str(tmp_path / "run"), str(tmp_path / "tp1pp2"), tp=1, pp=2, progress=False)
-    meta = json.loads((tmp_path / "tp1pp2" / "iter_0000000" / "meta.json").read_text())
-    assert (meta["tp"], meta["pp"], meta["model_only"]) == (1, 2, True)
+    # a reshape keeps the iteration of the run (3 steps)
+    meta = json.loads((tmp_path / "tp1pp2" / "iter_0000003" / "meta.json").read_text())
+    assert (meta["tp"], meta["pp"], meta["model_only"], meta["iteration"]) == (1, 2, True, 3)
+    # and its folders are ordinary ones (mkdtemp would leave them 0700)
+    assert os.stat(tmp_path / "tp1pp2").st_mode & 0o077
     convert_megatron_to_hf(str(tmp_path / "tp1pp2"), str(tmp_path / "hf"), progress=False)
     _assert_same(_hf_state(tmp_path / "hf"), trained)
     # the trained weights moved away from the initial ones, so equality above is not trivial

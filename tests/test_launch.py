@@ -47,8 +47,9 @@ def test_resume_is_bit_identical(tokenizer_dir, tmp_path):
 
 def test_questionnaire_yaml_launches(tmp_path):
     cfg = tmp_path / "megatron_gpt_config.yaml"
-    # answers to the real prompts, in order: cpu, tp, sp, pp, micro-batches, recompute, dist-opt, clip, procs, precision
-    answers = "yes\n2\nno\n1\n4\nno\nno\n0.5\n2\nbf16\n"
+    # answers to the real prompts, in order: cpu, tp, micro-batches, clip, procs, precision (on CPU the
+    # CUDA-only questions - sequence parallelism, pipeline, recompute, distributed optimizer - are not asked)
+    answers = "yes\n2\n4\n0.5\n2\nbf16\n"
     proc = subprocess.run(
         [sys.executable, "-m", "megatron_plugin.cli", "config", "--config_file", str(cfg)],
         input=answers, capture_output=True, text=True, cwd=ROOT, timeout=300,

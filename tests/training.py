@@ -20,8 +20,12 @@ def token_dataset(n, vocab, seed=2):
     return [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()} for x in ids]
 
 
-def optimizer_for(model, weight_decay=0.1):
-    # the usual run_clm grouping: no decay for biases and LayerNorm weights
+def optimizer_for(model, weight_decay=0.1, trainable_only=False):
+    """The usual run_clm grouping: no decay for biases and LayerNorm weights. `trainable_only`: one
+    group over the parameters that require grad (the other usual idiom when some are frozen)."""
+    if trainable_only:
+        return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=(0.9, 0.95),
+                                 eps=1e-8, weight_decay=0.0)
     no_decay = ("bias", "ln_", "ln_f")
     decay = [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)]
     rest = [p for n, p in model.named_parameters() if any(k in n for k in no_decay)]
@@ -31,10 +35,25 @@ def optimizer_for(model, weight_decay=0.1):
     )
 
 
-def reference_losses(steps, global_batch, clip=1.0, loss_fn=None):
+# frozen parts for the freezing tests: embeddings (tied with the LM head) and layer 0's attention
+FROZEN = ("transformer.wte.", "transformer.h.0.attn.")
+
+
+def freeze(model, prefixes):
+    for name, p in model.named_parameters():
+        if name.startswith(prefixes):
+            p.requires_grad_(False)
+
+
+def reference_losses(steps, global_batch, clip=1.0, loss_fn=None, frozen=(), autocast=None, return_state=False,
+                     trainable_only=False):
+    """Plain HF + torch. `frozen`: name prefixes of parameters to freeze; `autocast`: a CPU autocast dtype."""
+    import contextlib
+
     model = tiny_gpt2("tied").train()
+    freeze(model, frozen)
     data = token_dataset(steps * global_batch, model.config.vocab_size)
-    opt = optimizer_for(model)
+    opt = optimizer_for(model, trainable_only=trainable_only)
     from transformers import get_linear_schedule_with_warmup
 
     sched = get_linear_schedule_with_warmup(opt, WARMUP, steps)
@@ -42,19 +61,22 @@ def reference_losses(steps, global_batch, clip=1.0, loss_fn=None):
     for step in range(steps):
         chunk = data[step * global_batch:(step + 1) * global_batch]
         batch = {k: torch.stack([d[k] for d in chunk]) for k in chunk[0]}
-        out = model(**batch)
-        loss = out.loss if loss_fn is None else loss_fn(batch, out.logits)
+        with torch.autocast("cpu", dtype=autocast) if autocast else contextlib.nullcontext():
+            out = model(**batch)
+            loss = out.loss if loss_fn is None else loss_fn(batch, out.logits)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         sched.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses
+    return (losses, {k: v.detach().clone() for k, v in model.state_dict().items()}) if return_state else losses
 
 
-def megatron_losses(tp, steps, micro, num_micro, clip=1.0, step_class=None, step_kwargs=None):
-    """Runs inside a launched process (one per rank)."""
+def megatron_losses(tp, steps, micro, num_micro, clip=1.0, step_class=None, step_kwargs=None, frozen=(),
+                    trainable_only=False, mixed_precision=None, return_state=False):
+    """Runs inside a launched process (one per rank). `trainable_only`: build the optimizer over the
+    trainable parameters only (the other HF idiom for freezing)."""
     import os
 
     from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
@@ -62,15 +84,16 @@ def megatron_losses(tp, steps, micro, num_micro, clip=1.0, step_class=None, step
     world = int(os.environ["WORLD_SIZE"])
     dp = world // tp
     model = tiny_gpt2("tied")
+    freeze(model, frozen)
     data = token_dataset(steps * micro * num_micro * dp, model.config.vocab_size)
     loader = DataLoader(data, batch_size=micro, shuffle=False)
-    opt = optimizer_for(model)
+    opt = optimizer_for(model, trainable_only=trainable_only)
     sched = MegatronLMDummyScheduler(opt, total_num_steps=steps, warmup_num_steps=WARMUP)
     plugin = MegatronLMPlugin(tp_degree=tp, num_micro_batches=num_micro, gradient_clipping=clip)
     if step_class is not None:
         plugin.custom_train_step_class = step_class
         plugin.custom_train_step_kwargs = step_kwargs or {}
-    accelerator = Accelerator(megatron_lm_plugin=plugin)
+    accelerator = Accelerator(megatron_lm_plugin=plugin, mixed_precision=mixed_precision)
     model, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
     assert accelerator.state.megatron_lm_plugin.global_batch_size == micro * num_micro * dp
     model.train()
@@ -85,4 +108,6 @@ def megatron_losses(tp, steps, micro, num_micro, clip=1.0, step_class=None, step
         losses.append(out.loss.item())
         if len(losses) == steps:
             break
+    if return_state:
+        return losses, {k: v.clone() for k, v in model.hf_state_dict().items()}
     return losses

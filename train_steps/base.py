@@ -19,3 +19,8 @@ class AbstractTrainStep:
 
     def get_loss_func(self, *args, **kwargs):
         raise NotImplementedError
+
+    def count_loss_tokens(self, batch):
+        """How many tokens of this (whole, local) batch carry a loss, as a tensor; None if unknown. The
+        engine skips a step whose global batch has none, rather than stepping on a zero loss."""
+        return None

@@ -36,15 +36,25 @@ class GPTTrainStep(AbstractTrainStep):
         self.loss_func = self.get_loss_func()
         self.forward_step = self.get_forward_step_func()
 
+    @staticmethod
+    def _labels(data):
+        labels = data.get("labels")
+        if labels is None:
+            mask = data.get("attention_mask")
+            tokens = data["input_ids"]
+            labels = tokens if mask is None else tokens.masked_fill(mask == 0, IGNORE_INDEX)
+        return labels
+
+    def count_loss_tokens(self, batch):
+        return (self._labels(batch)[:, 1:] != IGNORE_INDEX).sum()
+
     def get_batch_func(self, *args, **kwargs):
         def get_batch(data_iterator):
             """-> tokens, labels (ignored positions set to 0), loss_mask, attention_mask, position_ids"""
             data = next(data_iterator)
             tokens = data["input_ids"].long()
             mask = data.get("attention_mask")
-            labels = data.get("labels")
-            if labels is None:
-                labels = tokens if mask is None else tokens.masked_fill(mask == 0, IGNORE_INDEX)
+            labels = self._labels(data)
             shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1).long()
             loss_mask = (shifted != IGNORE_INDEX).float()
             b, s = tokens.shape

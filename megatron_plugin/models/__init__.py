@@ -31,7 +31,15 @@ def check_model(plugin, hf_config) -> ModelFamily:
         raise MegatronPluginConfigError(
             "tp_degree", tp, f"the model's {groups} key/value heads must split evenly over TP ranks: use a divisor of {groups}"
         )
+    ffn = tc.get("ffn_hidden_size")
+    if ffn and ffn % tp:
+        raise MegatronPluginConfigError(
+            "tp_degree", tp, f"the model's MLP width {ffn} must split evenly over TP ranks: use a divisor of {ffn}"
+        )
     plugin.validate(num_layers=tc["num_layers"])
+    from .gpt import transformer_config_overrides
+
+    transformer_config_overrides(plugin.other_megatron_args, tc)
     return family
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .mapping import Dims, Rule, StagePlan, expand
 
@@ -23,6 +23,8 @@ class ModelFamily:
     base_class: str
     max_positions: Callable[[Any], int]
     tied_embeddings: Callable[[Any], bool] = lambda c: bool(getattr(c, "tie_word_embeddings", True))
+    # the longest sequence the model can take (learned position embeddings), or None
+    position_limit: Callable[[Any], Optional[int]] = lambda c: None
 
     def table(self, hf_config, lm_head: bool) -> List[Rule]:
         """The mapping table for this config (tied or not) and model class (with or without LM head)."""

@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..cross_entropy import vocab_parallel_cross_entropy
 from ..errors import MegatronPluginConfigError
+from ..layers import ColumnParallelLinear
 from ..plugin import MegatronLMPlugin
 from ..spec import block_spec
 from .family import ModelFamily
@@ -34,6 +35,9 @@ class MegatronGPT(GPTModel):
         super().__init__(*args, **kwargs)
         self.true_vocab_size = true_vocab_size
         self.lm_head = lm_head
+        if self.post_process:
+            # GPTModel builds its output layer outside the layer spec; ours adds only a method (CPU autocast)
+            self.output_layer.__class__ = ColumnParallelLinear
 
     def compute_language_model_loss(self, labels, logits):
         """Per-token loss [b, s] from labels [b, s] and logits [s, b, local vocab]."""
@@ -52,7 +56,11 @@ class MegatronGPT(GPTModel):
 NON_CONFIG_ARGS = {"vocab_file", "merge_file", "tokenizer_path"}
 
 
-def transformer_config_overrides(other_megatron_args: dict) -> dict:
+def transformer_config_overrides(other_megatron_args: dict, architecture: Optional[dict] = None) -> dict:
+    """The TransformerConfig fields of `other_megatron_args`. The architecture comes from the HF config
+    (`architecture`): a value that contradicts it would build a model the weights don't fit."""
+    if not isinstance(other_megatron_args, dict):
+        raise MegatronPluginConfigError("other_megatron_args", other_megatron_args, "pass a dict of TransformerConfig fields")
     known = {f.name for f in dataclasses.fields(TransformerConfig)}
     unknown = set(other_megatron_args) - known - NON_CONFIG_ARGS
     if unknown:
@@ -61,7 +69,18 @@ def transformer_config_overrides(other_megatron_args: dict) -> dict:
             "keys must be megatron.core TransformerConfig fields (e.g. 'attention_dropout') or one of "
             f"{sorted(NON_CONFIG_ARGS)}",
         )
+    for key, value in other_megatron_args.items():
+        if architecture and key in architecture and key not in TUNABLE and value != architecture[key]:
+            raise MegatronPluginConfigError(
+                f"other_megatron_args[{key!r}]", value,
+                f"the HF model's config gives {architecture[key]!r}, and the model is built from it to carry its "
+                "weights: remove the key, or change the HF config",
+            )
     return {k: v for k, v in other_megatron_args.items() if k in known}
+
+
+# architecture fields a user may change without changing the weights' shapes
+TUNABLE = {"hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon"}
 
 
 def build_transformer_config(
@@ -103,7 +122,7 @@ def build_transformer_config(
             fields.update(activation_func=F.gelu, bias_activation_fusion=True)
     if plugin.recompute_granularity == "full":
         fields.update(recompute_method=plugin.recompute_method, recompute_num_layers=plugin.recompute_num_layers)
-    fields.update(transformer_config_overrides(plugin.other_megatron_args))
+    fields.update(transformer_config_overrides(plugin.other_megatron_args, family.transformer_config(hf_config)))
     fields.update(overrides or {})
     return TransformerConfig(**fields)
 

@@ -85,4 +85,5 @@ GPT2 = ModelFamily(
     lm_head_class="GPT2LMHeadModel",
     base_class="GPT2Model",
     max_positions=lambda c: c.n_positions,
+    position_limit=lambda c: c.n_positions,
 )

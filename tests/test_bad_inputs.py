@@ -1,0 +1,386 @@
+"""Bad input, tried as a user would: each gets a clear error (the setting or file, the value, a fix)
+before work is lost, or a verified correct result. Nothing trains silently wrong, nothing hangs."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from megatron_plugin import MegatronLMPlugin, MegatronPluginConfigError
+from tests.launch import ROOT
+from tests.models import tiny_gpt2
+from tests.spawn import run_on_ranks
+from tests.training import optimizer_for, token_dataset
+
+
+def _error(fn):
+    """(setting, message) of the MegatronPluginConfigError `fn` raises; fails on anything else."""
+    try:
+        fn()
+    except MegatronPluginConfigError as err:
+        return err.setting, str(err)
+    raise AssertionError(f"{fn} raised nothing")
+
+
+def _check(got, setting, *words):
+    assert got is not None, "no error"
+    assert setting in got[0], got
+    for w in words:
+        assert w in got[1], (w, got)
+
+
+# -- the plugin ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), -1.0, "1.0"])
+def test_gradient_clipping_must_be_finite(value):
+    _check(_error(lambda: MegatronLMPlugin(gradient_clipping=value)), "gradient_clipping", "finite")
+
+
+def test_gradient_clipping_nan_from_the_environment(monkeypatch):
+    monkeypatch.setenv("MEGATRON_LM_GRADIENT_CLIPPING", "nan")
+    _check(_error(MegatronLMPlugin), "gradient_clipping", "nan")
+
+
+def test_custom_train_step_class_as_a_string():
+    assert MegatronLMPlugin(custom_train_step_class="tests.seed_custom_step.GPTTrainStepWithCustomLoss") \
+        .custom_train_step_class.__name__ == "GPTTrainStepWithCustomLoss"
+    assert MegatronLMPlugin(custom_train_step_class="train_steps:GPTTrainStep").custom_train_step_class.__name__ == "GPTTrainStep"
+    _check(_error(lambda: MegatronLMPlugin(custom_train_step_class="no_such.Step")), "custom_train_step_class", "import path")
+    _check(_error(lambda: MegatronLMPlugin(custom_train_step_class="torch.nn.Linear")), "custom_train_step_class", "AbstractTrainStep")
+
+
+def test_world_of_zero_processes():
+    _check(_error(lambda: MegatronLMPlugin().validate(world_size=0)), "num_processes", "at least one")
+
+
+# -- the questionnaire and the launch config -------------------------------------------------------
+def _cli(*args, stdin=""):
+    proc = subprocess.run([sys.executable, "-m", "megatron_plugin.cli", *args], input=stdin, capture_output=True,
+                          text=True, cwd=ROOT, timeout=120)
+    return proc.returncode, proc.stdout, proc.stderr
+
+
+def test_questionnaire_bad_answers_name_the_flag(tmp_path):
+    out = str(tmp_path / "c.yaml")
+    code, _, err = _cli("config", "--config_file", out, "--num_processes", "0", "--non_interactive")
+    assert code == 2 and "--num_processes=0" in err and not os.path.exists(out)
+    code, _, err = _cli("config", "--config_file", out, "--tp", "two", "--non_interactive")
+    assert code == 2 and "--tp='two'" in err and "whole number" in err
+    code, _, err = _cli("config", "--config_file", out, stdin="yes\n")  # the input ends mid-way
+    assert code == 2 and "input ended" in err and "--non_interactive" in err and "Traceback" not in err
+    code, _, err = _cli("config", "--config_file", str(tmp_path / "file" / "c.yaml"), "--non_interactive")
+    assert code == 0  # a missing folder is made
+    (tmp_path / "afile").write_text("x")
+    code, _, err = _cli("config", "--config_file", str(tmp_path / "afile" / "c.yaml"), "--non_interactive")
+    assert code == 2 and "--config_file" in err and "not a folder" in err and "Traceback" not in err
+
+
+def test_questionnaire_cpu_turns_cuda_only_answers_off(tmp_path):
+    import yaml
+
+    out = tmp_path / "cpu.yaml"
+    code, stdout, err = _cli("config", "--config_file", str(out), "--cpu", "--tp", "2", "--num_processes", "2",
+                             "--non_interactive")  # bare --cpu, as the docstring shows
+    assert code == 0, err
+    cfg = yaml.safe_load(out.read_text())
+    m = cfg["megatron_lm_config"]
+    assert cfg["use_cpu"] is True and m["megatron_lm_tp_degree"] == 2
+    assert not m["megatron_lm_sequence_parallelism"] and not m["megatron_lm_recompute_activations"]
+    assert not m["megatron_lm_use_distributed_optimizer"] and m["megatron_lm_pp_degree"] == 1
+    # interactively: after "cpu: yes" the CUDA-only questions are not asked
+    code, stdout, err = _cli("config", "--config_file", str(out), stdin="yes\n2\n1\n1.0\n2\nno\n")
+    assert code == 0, err
+    assert "Sequence Parallelism" not in stdout and "distributed optimizer" not in stdout
+
+
+def test_help_is_fast_and_quiet():
+    import time
+
+    for cmd in (["-m", "megatron_plugin.cli", "--help"], ["-m", "checkpoint_utils.convert", "--help"]):
+        start = time.time()
+        proc = subprocess.run([sys.executable, *cmd], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert proc.returncode == 0 and time.time() - start < 3, (cmd, time.time() - start)
+        assert "Warning" not in proc.stderr, proc.stderr
+    assert "--target_tensor_model_parallel_size 2 --target_pipeline_model_parallel_size 2" in proc.stdout  # not cut off
+
+
+def test_launch_config_checks(tmp_path):
+    from megatron_plugin.launch_config import check_config, load_config
+
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("distributed_type: MEGATRON_LM\nmegatron_lm_config:\n  megatron_lm_tp_degree: [2\n")
+    _check(_error(lambda: load_config(str(bad_yaml))), "--config_file", "not valid YAML", "line")
+    _check(_error(lambda: check_config({"megatron_lm_config": {"megatron_lm_tp_degre": 2}}, "c.yaml")),
+           "megatron_lm_tp_degre", "megatron_lm_tp_degree", "no effect")
+    _check(_error(lambda: check_config({"num_processes": 0}, "c.yaml")), "num_processes", ">= 1")
+    # `megatron-plugin launch` refuses before any process starts
+    code, _, err = _cli("launch", "--config_file", str(bad_yaml), "train.py")
+    assert code == 2 and "not valid YAML" in err and "Traceback" not in err
+
+
+def test_misspelled_key_under_accelerate_launch(tmp_path):
+    """`accelerate launch` drops unknown megatron_lm_* keys; the launched script refuses them."""
+    from tests.launch import accelerate_launch
+
+    cfg = tmp_path / "typo.yaml"
+    text = open(os.path.join(ROOT, "examples", "configs", "cpu_tp2.yaml")).read()
+    cfg.write_text(text.replace("megatron_lm_tp_degree: 2", "megatron_lm_tp_degre: 2").replace("num_processes: 2", "num_processes: 1"))
+    with pytest.raises(AssertionError) as err:
+        accelerate_launch(str(cfg), os.path.join(ROOT, "tests", "scripts", "print_plugin.py"), timeout=300)
+    assert "megatron_lm_tp_degre" in str(err.value) and "did you mean 'megatron_lm_tp_degree'" in str(err.value)
+
+
+def test_converter_refuses_uneven_tensor_parallel_shards(tmp_path):
+    from checkpoint_utils import convert_hf_to_megatron
+
+    tiny_gpt2(n_inner=65).save_pretrained(tmp_path / "hf")
+    got = _error(lambda: convert_hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=2, progress=False))
+    _check(got, "tp_degree", "65", "divisor")
+    assert not os.path.exists(tmp_path / "mg")
+
+
+# -- prepare and the training step (on the launched processes) ---------------------------------------
+def _prepare(plugin=None, model=None, opt=None, data=None, micro=4, mixed_precision=None):
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler
+
+    model = model if model is not None else tiny_gpt2()
+    data = data if data is not None else token_dataset(16, 1000)
+    opt = opt if opt is not None else optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=plugin or MegatronLMPlugin(), mixed_precision=mixed_precision)
+    engine, opt, sched, loader = acc.prepare(
+        model, opt, MegatronLMDummyScheduler(opt, total_num_steps=4), DataLoader(data, batch_size=micro))
+    return acc, engine
+
+
+def _prepare_errors():
+    from megatron.core import parallel_state
+
+    from tests.models import tiny_gpt2 as tiny
+
+    out = {}
+
+    def expect(name, fn):
+        try:
+            fn()
+            out[name] = None
+        except MegatronPluginConfigError as err:
+            out[name] = (err.setting, str(err), parallel_state.model_parallel_is_initialized())
+
+    expect("base_model", lambda: _prepare(model=tiny(lm_head=False)))
+    expect("contradicting_args", lambda: _prepare(plugin=MegatronLMPlugin(other_megatron_args={"num_layers": 4})))
+    expect("step_as_instance", lambda: _prepare(plugin=MegatronLMPlugin(custom_train_step_class=object())))
+
+    def missing_from_optimizer():
+        model = tiny()
+        left_out = model.transformer.h[1].mlp.c_fc.weight  # trainable, but the optimizer doesn't hold it
+        return _prepare(model=model, opt=torch.optim.AdamW([p for p in model.parameters() if p is not left_out]))
+
+    expect("trainable_not_in_optimizer", missing_from_optimizer)
+
+    def warmup_too_long():
+        from megatron_plugin import Accelerator, MegatronLMDummyScheduler
+
+        model = tiny()
+        opt = optimizer_for(model)
+        Accelerator(megatron_lm_plugin=MegatronLMPlugin()).prepare(
+            model, opt, MegatronLMDummyScheduler(opt, total_num_steps=4, warmup_num_steps=4),
+            DataLoader(token_dataset(8, 1000), batch_size=4))
+
+    expect("warmup", warmup_too_long)
+    return out
+
+
+def test_prepare_refuses_before_distributed_work():
+    (got,) = run_on_ranks(_prepare_errors, 1)
+    expected = {
+        "base_model": ("model", "LM head", "GPT2LMHeadModel"),
+        "contradicting_args": ("other_megatron_args['num_layers']", "gives 2"),
+        "step_as_instance": ("custom_train_step_class", "subclass"),
+        "trainable_not_in_optimizer": ("optimizer", "transformer.h.1.mlp.c_fc.weight", "requires_grad_(False)"),
+        "warmup": ("warmup_num_steps", "shorter than the 4"),
+    }
+    for name, (setting, *words) in expected.items():
+        _check(got[name], setting, *words)
+        assert got[name][2] is False, f"{name}: raised after Megatron's groups were built"
+
+
+def _step_errors():
+    acc, engine = _prepare()
+    engine.train()
+    good = {k: torch.stack([d[k] for d in token_dataset(4, 1000)]) for k in ("input_ids", "attention_mask", "labels")}
+    out = {}
+
+    def expect(name, batch):
+        try:
+            out[name] = ("ok", engine(**batch).loss.item(), engine.last_step_skipped)
+        except MegatronPluginConfigError as err:
+            out[name] = (err.setting, str(err))
+
+    before = {k: v.clone() for k, v in engine.hf_state_dict().items()}
+    expect("ids_over_vocab", dict(good, input_ids=good["input_ids"].clone().fill_(1000)))
+    expect("negative_ids", dict(good, input_ids=good["input_ids"].clone().fill_(-2000)))
+    expect("labels_over_vocab", dict(good, labels=good["labels"].clone().fill_(5000)))
+    expect("labels_negative", dict(good, labels=good["labels"].clone().fill_(-5)))
+    long = torch.randint(0, 1000, (4, 40))  # 32 positions
+    expect("too_long", {"input_ids": long, "labels": long})
+    expect("no_input_ids", {"labels": good["labels"]})
+    expect("zero_rows", {"input_ids": good["input_ids"][:0]})
+    expect("float_ids", {"input_ids": good["input_ids"].float()})
+    expect("rows_differ", dict(good, labels=good["labels"][:2]))
+    untouched = all(torch.equal(v, engine.hf_state_dict()[k]) for k, v in before.items())
+    expect("all_ignored", dict(good, labels=torch.full_like(good["labels"], -100)))
+    skipped_untouched = all(torch.equal(v, engine.hf_state_dict()[k]) for k, v in before.items())
+    expect("fine_after", good)
+    return out, untouched, skipped_untouched
+
+
+def test_bad_batches():
+    for out, untouched, skipped_untouched in run_on_ranks(_step_errors, 2):
+        _check(out["ids_over_vocab"], "input_ids", "[0, 1000)", "max 1000", "tokenizer")
+        _check(out["negative_ids"], "input_ids", "min -2000")
+        _check(out["labels_over_vocab"], "labels", "-100")
+        _check(out["labels_negative"], "labels", "-100")
+        _check(out["too_long"], "sequence length", "40 > 32")
+        _check(out["no_input_ids"], "batch", "input_ids")
+        _check(out["zero_rows"], "input_ids", "at least one row")
+        _check(out["float_ids"], "input_ids", "integer")
+        _check(out["rows_differ"], "labels", "4 rows")
+        assert untouched  # none of the refused batches moved a weight
+        status, loss, skipped = out["all_ignored"]
+        assert status == "ok" and loss != loss and skipped and skipped_untouched  # nan, skipped, weights kept
+        status, loss, skipped = out["fine_after"]
+        assert status == "ok" and loss == loss and not skipped
+
+
+def _one_rank_bad_batch():
+    """Only rank 1's batch is bad: both ranks must raise (no rank left waiting in a collective)."""
+    import torch.distributed as dist
+
+    acc, engine = _prepare(plugin=MegatronLMPlugin(), micro=2)
+    engine.train()
+    batch = {k: torch.stack([d[k] for d in token_dataset(2, 1000)]) for k in ("input_ids", "labels")}
+    if dist.get_rank() == 1:
+        batch["labels"][0, 3] = 7777
+    try:
+        engine(**batch)
+    except MegatronPluginConfigError as err:
+        return str(err)
+    return None
+
+
+def test_a_bad_batch_on_one_rank_stops_all_ranks():
+    got = run_on_ranks(_one_rank_bad_batch, 2)
+    assert "this rank's batch" in got[1] and "another rank's batch" in got[0]
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------
+def _save_into(path):
+    acc, engine = _prepare(plugin=MegatronLMPlugin(tp_degree=2), micro=4)
+    try:
+        acc.save_state(path)
+    except MegatronPluginConfigError as err:
+        return err.setting, str(err)
+    return None
+
+
+def test_save_state_into_a_file_path_is_refused_on_every_rank(tmp_path):
+    (tmp_path / "f").write_text("not a folder")
+    for got in run_on_ranks(_save_into, 2, str(tmp_path / "f")):
+        _check(got, "save_state(output_dir)", "not a folder")
+    for got in run_on_ranks(_save_into, 2, str(tmp_path / "f" / "sub")):
+        _check(got, "save_state(output_dir)", "is a file")
+
+
+def _save_then_load(save_dir, damage, tp=2):
+    import shutil
+
+    acc, engine = _prepare(plugin=MegatronLMPlugin(tp_degree=tp))
+    engine.train()
+    batch = {k: torch.stack([d[k] for d in token_dataset(4, 1000)]) for k in ("input_ids", "labels")}
+    engine(**batch)
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        shutil.rmtree(save_dir, ignore_errors=True)
+    dist.barrier()
+    ckpt = acc.save_state(save_dir)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        damage(ckpt)
+    dist.barrier()
+    try:
+        acc.load_state(save_dir)
+    except MegatronPluginConfigError as err:
+        return err.setting, str(err)
+    return None
+
+
+def _flip_byte(ckpt):
+    path = os.path.join(ckpt, "model", "tp01_pp000.safetensors")
+    data = bytearray(open(path, "rb").read())
+    data[-10] ^= 0x01  # one bit of one weight
+    open(path, "wb").write(bytes(data))
+
+
+def _truncate(ckpt):
+    path = os.path.join(ckpt, "model", "tp00_pp000.safetensors")
+    data = open(path, "rb").read()
+    open(path, "wb").write(data[: len(data) // 2])
+
+
+def _garble_meta(ckpt):
+    with open(os.path.join(ckpt, "meta.json"), "w") as f:
+        f.write('{"format": "megatron_plugin/1", "iter')
+
+
+def _other_model(ckpt):
+    """The shard of a model with a wider MLP, with a matching checksum (a consistent, other model)."""
+    from safetensors.torch import load_file, save_file
+
+    from megatron_plugin.fs import file_checksum
+
+    path = os.path.join(ckpt, "model", "tp00_pp000.safetensors")
+    tensors = load_file(path)
+    tensors["decoder.layers.0.mlp.linear_fc1.weight"] = torch.zeros(300, 64)
+    save_file(tensors, path)
+    meta_path = os.path.join(ckpt, "meta.json")
+    meta = json.load(open(meta_path))
+    meta["files"]["model/tp00_pp000.safetensors"] = file_checksum(path)
+    json.dump(meta, open(meta_path, "w"))
+
+
+@pytest.mark.parametrize("damage,words", [
+    (_flip_byte, ("tp01_pp000.safetensors", "damaged", "CRC-32")),
+    (_truncate, ("tp00_pp000.safetensors", "damaged")),
+    (_garble_meta, ("meta.json", "cannot read")),
+    (_other_model, ("tp00_pp000.safetensors", "decoder.layers.0.mlp.linear_fc1.weight", "another model size")),
+], ids=["flipped_byte", "truncated_shard", "corrupt_meta", "other_model_size"])
+def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path, damage, words):
+    results = run_on_ranks(_save_then_load, 2, str(tmp_path / "ckpt"), damage)
+    for got in results:  # every rank raises, so none waits
+        _check(got, "load_state", *words)
+
+
+# -- accelerate's own Accelerator under a Megatron config -------------------------------------------
+def _accelerate_accelerator():
+    import os
+
+    os.environ["ACCELERATE_USE_MEGATRON_LM"] = "true"
+    from accelerate import Accelerator
+
+    import megatron_plugin
+
+    megatron_plugin.MegatronLMDummyScheduler  # the script imports something of ours
+    try:
+        Accelerator()
+    except ImportError as err:
+        return str(err)
+    return None
+
+
+def test_accelerate_accelerator_under_megatron_config_says_what_to_import():
+    (msg,) = run_on_ranks(_accelerate_accelerator, 1)
+    assert msg and "from megatron_plugin import Accelerator" in msg
