@@ -52,9 +52,9 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from megatron_plugin.checkpoint import checkpoint_meta, model_file, point_latest, write_meta
+    from megatron_plugin.engine.checkpoint import checkpoint_meta, model_file, point_latest, write_meta
     from megatron_plugin.fs import file_checksum
-    from megatron_plugin.convert import model_dims
+    from megatron_plugin.models.convert import model_dims
     from megatron_plugin.models import check_model
     from megatron_plugin.models.mapping import StagePlan, hf_to_mcore
 

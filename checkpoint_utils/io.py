@@ -13,8 +13,8 @@ from typing import Dict, List, Tuple
 import torch
 from safetensors import safe_open
 
-from megatron_plugin.checkpoint import chunk_key, model_file, read_meta, resolve_checkpoint, verify_file
-from megatron_plugin.convert import model_dims
+from megatron_plugin.engine.checkpoint import chunk_key, model_file, read_meta, resolve_checkpoint, verify_file
+from megatron_plugin.models.convert import model_dims
 from megatron_plugin.errors import MegatronPluginConfigError
 from megatron_plugin.models import get_family
 from megatron_plugin.models.mapping import StagePlan, TRANSFORMS, expand, unshard

@@ -9,8 +9,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from megatron_plugin import MegatronLMPlugin
-from megatron_plugin.distributed import initialize
-from megatron_plugin.modeling import MegatronModel
+from megatron_plugin.engine.distributed import initialize
+from megatron_plugin.models.modeling import MegatronModel
 
 
 def main():

@@ -18,7 +18,7 @@ from .plugin import MegatronLMPlugin  # noqa: E402
 
 _EXPORTS = {
     "Accelerator": ".accelerator",
-    "MegatronLMDummyScheduler": ".scheduler",
+    "MegatronLMDummyScheduler": ".engine.scheduler",
     "AbstractTrainStep": "train_steps",
     "GPTTrainStep": "train_steps",
     "avg_losses_across_data_parallel_group": "train_steps",

@@ -18,19 +18,19 @@ from accelerate.state import PartialState
 from accelerate.utils import DistributedType, DynamoBackend
 from torch.utils.data import DataLoader
 
-from . import checkpoint
-from .data import check_dataloader, prepare_megatron_dataloader
-from .distributed import initialize
-from .engine import MegatronEngine, megatron_args
+from .engine import checkpoint
+from .engine.data import check_dataloader, prepare_megatron_dataloader
+from .engine.distributed import initialize
+from .engine.cpu import MegatronEngine, megatron_args
 from .errors import MegatronPluginConfigError
 from .launch_config import check_launch
-from .modeling import MegatronModel
-from .convert import mcore_to_hf_sources
+from .models.modeling import MegatronModel
+from .models.convert import mcore_to_hf_sources
 from .models import check_model
 from .models.mapping import StagePlan
-from .optimizer import MegatronLMOptimizerWrapper, check_optimizer, rebuild_optimizer, trainable_flags
+from .engine.optimizer import MegatronLMOptimizerWrapper, check_optimizer, rebuild_optimizer, trainable_flags
 from .plugin import MegatronLMPlugin, check_compile, check_cpu_support
-from .scheduler import MegatronLMDummyScheduler, MegatronLMSchedulerWrapper, build_scheduler, check_scheduler
+from .engine.scheduler import MegatronLMDummyScheduler, MegatronLMSchedulerWrapper, build_scheduler, check_scheduler
 
 _ENV_FLAG = "ACCELERATE_USE_MEGATRON_LM"
 
@@ -164,7 +164,7 @@ class Accelerator(accelerate.Accelerator):
         plugin.global_batch_size = micro * plugin.num_micro_batches * layout.dp_size
         step = step_cls(megatron_args(plugin, model, micro, layout.dp_size), **plugin.custom_train_step_kwargs)
         if self.device.type == "cuda":
-            from .gpu_engine import MegatronCoreEngine
+            from .engine.gpu import MegatronCoreEngine
 
             engine = MegatronCoreEngine(chunks, optimizers[0], schedulers[0] if schedulers else None, plugin, step,
                                         layout.device, dtype, compile_kwargs=compile_kwargs)

@@ -31,7 +31,7 @@ def _free_port() -> int:
 
 
 def _reset_process_state():
-    from megatron_plugin.distributed import destroy
+    from megatron_plugin.engine.distributed import destroy
 
     destroy()
     try:

@@ -12,7 +12,7 @@ from tests.training import optimizer_for, token_dataset
 
 
 def _crash_worker(ckpt):
-    import megatron_plugin.checkpoint as ckpt_mod
+    import megatron_plugin.engine.checkpoint as ckpt_mod
     from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
 
     model = tiny_gpt2()

@@ -14,8 +14,8 @@ def _worker(tp):
     from megatron.core import parallel_state
 
     from megatron_plugin import MegatronLMPlugin
-    from megatron_plugin.cross_entropy import vocab_parallel_cross_entropy
-    from megatron_plugin.distributed import initialize
+    from megatron_plugin.layers.cross_entropy import vocab_parallel_cross_entropy
+    from megatron_plugin.engine.distributed import initialize
 
     initialize(MegatronLMPlugin(tp_degree=tp))
     g = torch.Generator().manual_seed(0)

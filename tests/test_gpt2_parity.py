@@ -28,8 +28,8 @@ def _max_rel(a, b):
 
 def _parity_worker():
     from megatron_plugin import MegatronLMPlugin
-    from megatron_plugin.distributed import initialize
-    from megatron_plugin.modeling import MegatronModel
+    from megatron_plugin.engine.distributed import initialize
+    from megatron_plugin.models.modeling import MegatronModel
 
     tp = int(os.environ["WORLD_SIZE"])
     plugin = MegatronLMPlugin(tp_degree=tp)
@@ -94,8 +94,8 @@ def test_gpt2_parity_under_tensor_parallel(world_size):
 
 def _stages_worker(tp, pp):
     from megatron_plugin import MegatronLMPlugin
-    from megatron_plugin.distributed import initialize
-    from megatron_plugin.modeling import MegatronModel
+    from megatron_plugin.engine.distributed import initialize
+    from megatron_plugin.models.modeling import MegatronModel
 
     hf = tiny_gpt2("untied", n_layer=4)
     plugin = MegatronLMPlugin(tp_degree=tp, pp_degree=pp)
@@ -120,8 +120,8 @@ def test_pipeline_stages_hold_their_share_bit_exact(tp, pp):
 
 def _unmapped_worker():
     from megatron_plugin import MegatronLMPlugin
-    from megatron_plugin.distributed import initialize
-    from megatron_plugin.modeling import MegatronModel
+    from megatron_plugin.engine.distributed import initialize
+    from megatron_plugin.models.modeling import MegatronModel
 
     hf = tiny_gpt2()
     plugin = MegatronLMPlugin()

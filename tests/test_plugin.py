@@ -3,7 +3,7 @@
 import pytest
 
 from megatron_plugin import MegatronLMPlugin, MegatronPluginConfigError
-from megatron_plugin.distributed import initialize
+from megatron_plugin.engine.distributed import initialize
 from tests.models import gpt2_config
 
 
@@ -128,7 +128,7 @@ def test_unsupported_activation(clean_env):
 def test_unsupported_features_are_refused(clean_env):
     with pytest.raises(MegatronPluginConfigError, match="indexed datasets"):
         MegatronLMPlugin(megatron_dataset_flag=True)
-    from megatron_plugin.spec import block_spec
+    from megatron_plugin.layers.spec import block_spec
 
     with pytest.raises(MegatronPluginConfigError, match="backend='te'"):
         block_spec(None, 2, backend="te")

@@ -17,7 +17,7 @@ def unwrap_model(model):
 
 
 def _attention_mask_4d(mask, seq_len):
-    from megatron_plugin.modeling import attention_mask_4d
+    from megatron_plugin.models.modeling import attention_mask_4d
 
     return attention_mask_4d(mask, seq_len)
 

@@ -11,11 +11,11 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..cross_entropy import vocab_parallel_cross_entropy
+from ..layers.cross_entropy import vocab_parallel_cross_entropy
 from ..errors import MegatronPluginConfigError
-from ..layers import ColumnParallelLinear
+from ..layers.linear import ColumnParallelLinear
 from ..plugin import MegatronLMPlugin
-from ..spec import block_spec
+from ..layers.spec import block_spec
 from .family import ModelFamily
 from .gpt2 import gelu_tanh
 from .mapping import StagePlan

@@ -30,8 +30,8 @@ import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 from safetensors.torch import load_file, save_file
 
-from .errors import MegatronPluginConfigError
-from .fs import atomic_write_text, check_writable, file_checksum
+from ..errors import MegatronPluginConfigError
+from ..fs import atomic_write_text, check_writable, file_checksum
 
 logger = logging.getLogger(__name__)
 

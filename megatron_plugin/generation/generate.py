@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from .errors import MegatronPluginConfigError
+from ..errors import MegatronPluginConfigError
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

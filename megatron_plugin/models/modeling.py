@@ -7,14 +7,14 @@ from typing import Dict, Optional
 import torch
 from megatron.core import parallel_state
 
-from .comm import gather_tensor_parallel_last_dim
+from ..layers.comm import gather_tensor_parallel_last_dim
 from .convert import gather_hf_state_dict, load_hf_into_mcore, model_dims, normalize_hf_state_dict
-from .distributed import current_layout
-from .models import get_family
-from .models.gpt import build_model, build_transformer_config
-from .models.mapping import StagePlan, expand
-from .plugin import MegatronLMPlugin
-from .spec import default_backend
+from ..engine.distributed import current_layout
+from . import get_family
+from .gpt import build_model, build_transformer_config
+from .mapping import StagePlan, expand
+from ..plugin import MegatronLMPlugin
+from ..layers.spec import default_backend
 
 
 def attention_mask_4d(attention_mask: Optional[torch.Tensor], seq_len: int) -> Optional[torch.Tensor]:

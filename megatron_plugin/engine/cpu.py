@@ -21,9 +21,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from .comm import gather_tensor_parallel_last_dim
-from .errors import MegatronPluginConfigError
-from .modeling import MegatronModel
+from ..layers.comm import gather_tensor_parallel_last_dim
+from ..errors import MegatronPluginConfigError
+from ..models.modeling import MegatronModel
 
 
 def megatron_args(plugin, model: MegatronModel, micro_batch_size: int, dp_size: int) -> SimpleNamespace:
@@ -231,8 +231,8 @@ class MegatronEngine(torch.nn.Module):
 
     # -- conveniences -----------------------------------------------------------------------------
     def megatron_generate(self, inputs, attention_mask=None, **kwargs):
-        """Generate with the tensor-parallel model (see `megatron_plugin.generation`)."""
-        from .generation import megatron_generate
+        """Generate with the tensor-parallel model (see `megatron_plugin.generation.generate`)."""
+        from ..generation.generate import megatron_generate
 
         return megatron_generate(self, inputs, attention_mask, **kwargs)
 

@@ -9,9 +9,9 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
-from .models import ModelFamily
-from .models.gpt import padded_vocab_size
-from .models.mapping import Dims, StagePlan, expand, hf_to_mcore, mcore_to_hf
+from . import ModelFamily
+from .gpt import padded_vocab_size
+from .mapping import Dims, StagePlan, expand, hf_to_mcore, mcore_to_hf
 
 # HF tensors that are not weights (buffers some transformers versions keep in state dicts)
 _IGNORED_HF = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")

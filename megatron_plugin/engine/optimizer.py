@@ -6,7 +6,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
-from .errors import MegatronPluginConfigError
+from ..errors import MegatronPluginConfigError
 
 # optimizer class -> hyper-parameters copied per param group
 SUPPORTED = {

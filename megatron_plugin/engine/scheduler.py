@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
-from .errors import MegatronPluginConfigError
+from ..errors import MegatronPluginConfigError
 
 
 class MegatronLMDummyScheduler:

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
-from .plugin import MegatronLMPlugin
+from ..plugin import MegatronLMPlugin
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def initialize(plugin: MegatronLMPlugin, hf_config=None) -> Layout:
     plugin.validate(world_size=world_size)
     num_layers = None
     if hf_config is not None:
-        from .models import check_model
+        from ..models import check_model
 
         num_layers = check_model(plugin, hf_config).transformer_config(hf_config)["num_layers"]
     device = init_process_group()

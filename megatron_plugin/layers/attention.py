@@ -1,13 +1,6 @@
-"""Modules we put into Megatron-Core's layer spec in place of its CUDA-bound or TE/apex-bound ones.
-
-- `SDPAttention`: core attention on `torch.nn.functional.scaled_dot_product_attention`. It picks flash /
-  memory-efficient kernels on GPU and runs on CPU, where mcore's `DotProductAttention` needs a CUDA
-  memory buffer and the CUDA RNG tracker.
-- `Norm`: LayerNorm / RMSNorm that works with sequence parallelism. mcore's `WrappedTorchNorm` refuses
-  SP when TE and apex are absent; the only thing SP needs from a norm is that its parameters carry
-  `sequence_parallel=True`, so that their gradients (computed on a sequence shard) are all-reduced over
-  the TP group by mcore's `finalize_model_grads` (or by our CPU engine).
-"""
+"""`SDPAttention`: core attention on `torch.nn.functional.scaled_dot_product_attention`. It picks flash /
+memory-efficient kernels on GPU and runs on CPU, where mcore's `DotProductAttention` needs a CUDA
+memory buffer and the CUDA RNG tracker."""
 
 from __future__ import annotations
 
@@ -17,8 +10,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
-from megatron.core.tensor_parallel import ColumnParallelLinear as _McoreColumnParallelLinear
-from megatron.core.tensor_parallel import RowParallelLinear as _McoreRowParallelLinear
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -104,65 +95,3 @@ class SDPAttention(MegatronModule):
                 enable_gqa=self.groups != self.heads,
             )
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
-
-
-class Norm:
-    """LayerNorm or RMSNorm (by `config.normalization`) whose parameters are marked for sequence
-    parallelism. Same constructor as mcore's norms, so it fits any slot of a layer spec."""
-
-    def __new__(
-        cls,
-        config: TransformerConfig,
-        hidden_size: int,
-        eps: float = 1e-5,
-        persist_layer_norm: bool = False,
-        zero_centered_gamma: bool = False,
-        normalization: str = "LayerNorm",
-    ):
-        if config.layernorm_zero_centered_gamma:
-            raise NotImplementedError("zero-centered gamma is not implemented by the plugin's Norm")
-        device = None if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
-        kwargs = dict(eps=eps, device=device, dtype=config.params_dtype)
-        if config.normalization == "LayerNorm":
-            norm = torch.nn.LayerNorm(hidden_size, **kwargs)
-        elif config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, **kwargs)
-        else:
-            raise NotImplementedError(f"normalization={config.normalization!r} is not implemented")
-        for param in norm.parameters():
-            param.sequence_parallel = config.sequence_parallel
-        return norm
-
-
-def _cast_for_cpu_autocast(input, weight, kwargs):
-    """mcore's linear autograd functions declare autocast for CUDA only. Under CPU autocast their
-    forward computes in bf16 but their backward multiplies the bf16 gradient with the fp32 weight and
-    fails. Casting input, weight and bias before the function makes both directions run in the
-    autocast dtype; the cast's own backward returns the weight gradient in fp32."""
-    if input.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
-        return input, weight
-    dtype = torch.get_autocast_dtype("cpu")
-    if kwargs.get("bias") is not None:
-        kwargs["bias"] = kwargs["bias"].to(dtype)
-    return input.to(dtype), weight.to(dtype)
-
-
-class ColumnParallelLinear(_McoreColumnParallelLinear):
-    """mcore's ColumnParallelLinear that also trains under CPU autocast (see `_cast_for_cpu_autocast`)."""
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        input, weight = _cast_for_cpu_autocast(input, weight, kwargs)
-        return super()._forward_impl(input, weight, *args, **kwargs)
-
-
-class RowParallelLinear(_McoreRowParallelLinear):
-    """mcore 0.16's RowParallelLinear hands `tp_group=None` to its matmul, which then raises a
-    deprecation warning on every call: host time each step, and a graph break that keeps
-    torch.compile from capturing a transformer layer whole. Hand it the layer's own group. Trains
-    under CPU autocast too (see `_cast_for_cpu_autocast`)."""
-
-    def _forward_impl(self, input, weight, *args, **kwargs):
-        if kwargs.get("tp_group") is None:
-            kwargs["tp_group"] = self.tp_group
-        input, weight = _cast_for_cpu_autocast(input, weight, kwargs)
-        return super()._forward_impl(input, weight, *args, **kwargs)

@@ -19,8 +19,8 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from .engine import MegatronEngine, _average_logs
-from .errors import MegatronPluginConfigError
+from .cpu import MegatronEngine, _average_logs
+from ..errors import MegatronPluginConfigError
 from . import foreach_ops
 from .optimizer import check_optimizer, use_fused_adam
 from .scheduler import build_scheduler

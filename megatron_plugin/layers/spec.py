@@ -17,8 +17,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
-from .errors import MegatronPluginConfigError
-from .layers import ColumnParallelLinear, Norm, RowParallelLinear, SDPAttention
+from ..errors import MegatronPluginConfigError
+from .attention import SDPAttention
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .norm import Norm
 
 
 def local_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from accelerate.data_loader import prepare_data_loader
 from torch.utils.data import DataLoader, RandomSampler
 
-from .errors import MegatronPluginConfigError
+from ..errors import MegatronPluginConfigError
 
 
 def check_dataloader(dataloader: DataLoader, plugin, dp_size: int) -> None:

@@ -1,0 +1,1 @@
+"""Text generation with the Megatron model."""

@@ -1,0 +1,41 @@
+"""Megatron-Core's tensor-parallel linears, with what they lack without TE/apex and on CPU."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.tensor_parallel import ColumnParallelLinear as _McoreColumnParallelLinear
+from megatron.core.tensor_parallel import RowParallelLinear as _McoreRowParallelLinear
+
+
+def _cast_for_cpu_autocast(input, weight, kwargs):
+    """mcore's linear autograd functions declare autocast for CUDA only. Under CPU autocast their
+    forward computes in bf16 but their backward multiplies the bf16 gradient with the fp32 weight and
+    fails. Casting input, weight and bias before the function makes both directions run in the
+    autocast dtype; the cast's own backward returns the weight gradient in fp32."""
+    if input.device.type != "cpu" or not torch.is_autocast_enabled("cpu"):
+        return input, weight
+    dtype = torch.get_autocast_dtype("cpu")
+    if kwargs.get("bias") is not None:
+        kwargs["bias"] = kwargs["bias"].to(dtype)
+    return input.to(dtype), weight.to(dtype)
+
+
+class ColumnParallelLinear(_McoreColumnParallelLinear):
+    """mcore's ColumnParallelLinear that also trains under CPU autocast (see `_cast_for_cpu_autocast`)."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        input, weight = _cast_for_cpu_autocast(input, weight, kwargs)
+        return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+class RowParallelLinear(_McoreRowParallelLinear):
+    """mcore 0.16's RowParallelLinear hands `tp_group=None` to its matmul, which then raises a
+    deprecation warning on every call: host time each step, and a graph break that keeps
+    torch.compile from capturing a transformer layer whole. Hand it the layer's own group. Trains
+    under CPU autocast too (see `_cast_for_cpu_autocast`)."""
+
+    def _forward_impl(self, input, weight, *args, **kwargs):
+        if kwargs.get("tp_group") is None:
+            kwargs["tp_group"] = self.tp_group
+        input, weight = _cast_for_cpu_autocast(input, weight, kwargs)
+        return super()._forward_impl(input, weight, *args, **kwargs)
