@@ -27,3 +27,49 @@ def tiny_gpt2(name="tied", lm_head=True, seed=0, **overrides):
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
+
+
+# The Llama family, tiny and odd on purpose: vocabulary 333, 4 query heads per key/value head, 2 KV heads
+# (fewer than TP=4), head_dim != hidden / heads, llama3 and linear rope scaling, biases, q/k norms, a window.
+LLAMA_CONFIGS = {
+    "llama": ("llama", dict(vocab_size=333, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=64,
+                            rope_theta=500000.0, tie_word_embeddings=False,
+                            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 16})),
+    "llama_tied_linear": ("llama", dict(vocab_size=333, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                        tie_word_embeddings=True, rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "mistral": ("mistral", dict(vocab_size=333, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                num_attention_heads=8, num_key_value_heads=4, head_dim=8, max_position_embeddings=64,
+                                sliding_window=5, tie_word_embeddings=False)),
+    "qwen2": ("qwen2", dict(vocab_size=333, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=64,
+                            tie_word_embeddings=True)),
+    "qwen3": ("qwen3", dict(vocab_size=333, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=16, max_position_embeddings=64,
+                            tie_word_embeddings=False)),
+}
+
+
+def llama_config(name="llama", **overrides):
+    from transformers import AutoConfig
+
+    model_type, kwargs = LLAMA_CONFIGS[name]
+    kwargs = dict(kwargs, attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_llama(name="llama", lm_head=True, seed=0, **overrides):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = llama_config(name, **overrides)
+    cfg._attn_implementation = "sdpa"
+    model = (AutoModelForCausalLM if lm_head else AutoModel).from_config(cfg).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norms start at 1, biases at 0: randomize so a mapping slip shows
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()

@@ -28,7 +28,7 @@ def _attention_worker(heads, groups):
     from megatron_plugin import MegatronLMPlugin
     from megatron_plugin.engine.distributed import initialize
     from megatron_plugin.layers.attention import SDPAttention
-    from megatron_plugin.models.modeling import attention_mask_4d
+    from megatron_plugin.layers.masks import attention_mask_4d
 
     initialize(MegatronLMPlugin())
     d, s, b = 8, 6, 2
@@ -55,7 +55,7 @@ def test_sdpa_attention_matches_reference(heads, groups):
 
 
 def test_attention_mask_4d():
-    from megatron_plugin.models.modeling import attention_mask_4d
+    from megatron_plugin.layers.masks import attention_mask_4d
 
     assert attention_mask_4d(None, 4) is None
     assert attention_mask_4d(torch.ones(2, 4), 4) is None

@@ -4,7 +4,7 @@ megatron_plugin.Accelerator, and as plain HF + torch (the reference)."""
 import torch
 from torch.utils.data import DataLoader
 
-from tests.models import tiny_gpt2
+from tests.models import GPT2_CONFIGS, tiny_gpt2, tiny_llama
 
 SEQ = 16
 LR = 3e-3
@@ -20,13 +20,42 @@ def token_dataset(n, vocab, seed=2):
     return [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()} for x in ids]
 
 
+def sft_dataset(n, vocab, seed=3):
+    """Prompt/response pairs as an SFT collator makes them: a prompt of 3-7 tokens, an arithmetic-
+    progression response, right padding to SEQ; labels -100 on the prompt and the padding."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        p, r = int(torch.randint(3, 8, (1,), generator=g)), int(torch.randint(4, SEQ - 7, (1,), generator=g))
+        prompt = torch.randint(3, vocab, (p,), generator=g)
+        # responses use a small part of the vocabulary, so a few steps visibly lower the loss
+        start, stride = int(torch.randint(0, 40, (1,), generator=g)), int(torch.randint(1, 4, (1,), generator=g))
+        response = 3 + (start + stride * torch.arange(r)) % 60
+        ids = torch.zeros(SEQ, dtype=torch.long)
+        ids[: p + r] = torch.cat([prompt, response])
+        mask = (torch.arange(SEQ) < p + r).long()
+        labels = ids.masked_fill(mask == 0, -100)
+        labels[:p] = -100
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels})
+    return out
+
+
+def build(model):
+    """A tiny HF model by name: a GPT-2 config of tests.models.GPT2_CONFIGS or a Llama-family one."""
+    return tiny_gpt2(model) if model in GPT2_CONFIGS else tiny_llama(model)
+
+
+def dataset(data, n, vocab):
+    return token_dataset(n, vocab) if data == "lm" else sft_dataset(n, vocab)
+
+
 def optimizer_for(model, weight_decay=0.1, trainable_only=False):
     """The usual run_clm grouping: no decay for biases and LayerNorm weights. `trainable_only`: one
     group over the parameters that require grad (the other usual idiom when some are frozen)."""
     if trainable_only:
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=(0.9, 0.95),
                                  eps=1e-8, weight_decay=0.0)
-    no_decay = ("bias", "ln_", "ln_f")
+    no_decay = ("bias", "ln_", "ln_f", "norm")
     decay = [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)]
     rest = [p for n, p in model.named_parameters() if any(k in n for k in no_decay)]
     return torch.optim.AdamW(
@@ -46,13 +75,14 @@ def freeze(model, prefixes):
 
 
 def reference_losses(steps, global_batch, clip=1.0, loss_fn=None, frozen=(), autocast=None, return_state=False,
-                     trainable_only=False):
-    """Plain HF + torch. `frozen`: name prefixes of parameters to freeze; `autocast`: a CPU autocast dtype."""
+                     trainable_only=False, model="tied", data="lm"):
+    """Plain HF + torch. `frozen`: name prefixes of parameters to freeze; `autocast`: a CPU autocast dtype;
+    `model`: see `build`; `data`: 'lm' (token_dataset) or 'sft' (sft_dataset)."""
     import contextlib
 
-    model = tiny_gpt2("tied").train()
+    model = build(model).train()
     freeze(model, frozen)
-    data = token_dataset(steps * global_batch, model.config.vocab_size)
+    data = dataset(data, steps * global_batch, model.config.vocab_size)
     opt = optimizer_for(model, trainable_only=trainable_only)
     from transformers import get_linear_schedule_with_warmup
 
@@ -74,7 +104,7 @@ def reference_losses(steps, global_batch, clip=1.0, loss_fn=None, frozen=(), aut
 
 
 def megatron_losses(tp, steps, micro, num_micro, clip=1.0, step_class=None, step_kwargs=None, frozen=(),
-                    trainable_only=False, mixed_precision=None, return_state=False):
+                    trainable_only=False, mixed_precision=None, return_state=False, model="tied", data="lm"):
     """Runs inside a launched process (one per rank). `trainable_only`: build the optimizer over the
     trainable parameters only (the other HF idiom for freezing)."""
     import os
@@ -83,9 +113,9 @@ def megatron_losses(tp, steps, micro, num_micro, clip=1.0, step_class=None, step
 
     world = int(os.environ["WORLD_SIZE"])
     dp = world // tp
-    model = tiny_gpt2("tied")
+    model = build(model)
     freeze(model, frozen)
-    data = token_dataset(steps * micro * num_micro * dp, model.config.vocab_size)
+    data = dataset(data, steps * micro * num_micro * dp, model.config.vocab_size)
     loader = DataLoader(data, batch_size=micro, shuffle=False)
     opt = optimizer_for(model, trainable_only=trainable_only)
     sched = MegatronLMDummyScheduler(opt, total_num_steps=steps, warmup_num_steps=WARMUP)

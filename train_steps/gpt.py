@@ -16,10 +16,10 @@ def unwrap_model(model):
     return model
 
 
-def _attention_mask_4d(mask, seq_len):
-    from megatron_plugin.models.modeling import attention_mask_4d
+def _attention_mask_4d(mask, seq_len, position_ids=None):
+    from megatron_plugin.layers.masks import attention_mask_4d
 
-    return attention_mask_4d(mask, seq_len)
+    return attention_mask_4d(mask, seq_len, position_ids)
 
 
 class GPTTrainStep(AbstractTrainStep):
@@ -58,8 +58,10 @@ class GPTTrainStep(AbstractTrainStep):
             shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1).long()
             loss_mask = (shifted != IGNORE_INDEX).float()
             b, s = tokens.shape
-            position_ids = torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
-            return tokens, shifted.clamp_min(0), loss_mask, _attention_mask_4d(mask, s), position_ids
+            given = data.get("position_ids")  # HF semantics: absent means 0..s-1; restarts mean packed sequences
+            attention_mask = _attention_mask_4d(mask, s, given)
+            position_ids = given.long() if given is not None else torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
+            return tokens, shifted.clamp_min(0), loss_mask, attention_mask, position_ids
 
         return get_batch
 

@@ -209,6 +209,13 @@ class MegatronEngine(torch.nn.Module):
             flat /= dist.get_world_size(dp)
             for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
                 g.copy_(reduced)
+        # per-head q/k norms (Qwen3) are replicated, but each TP rank saw only its own heads: sum them, as
+        # mcore's finalize_model_grads does
+        tp = parallel_state.get_tensor_model_parallel_group()
+        if dist.get_world_size(tp) > 1:
+            for name, p in self.model.module.named_parameters():
+                if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                    dist.all_reduce(p.grad, group=tp)
 
     @torch.no_grad()
     def _clip_gradients(self) -> float:

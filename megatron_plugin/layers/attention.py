@@ -10,10 +10,14 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+import torch.distributed as dist
+from megatron.core.transformer.attention import SelfAttention as McoreSelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from .comm import all_gather_last_dim
 
 
 def _rng_context(config: TransformerConfig, dropout_p: float):
@@ -95,3 +99,37 @@ class SDPAttention(MegatronModule):
                 enable_gqa=self.groups != self.heads,
             )
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+
+
+class SelfAttention(McoreSelfAttention):
+    """mcore's SelfAttention; with fewer key/value heads than TP ranks (e.g. 2 KV heads at TP=4) each
+    rank gathers the fused QKV output and keeps its group, as mcore does, but with a gather that also
+    runs on CPU (mcore's allocates on `torch.cuda.current_device()`)."""
+
+    def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
+        groups = self.config.num_query_groups
+        if groups >= self.world_size or output_gate or not split_qkv:
+            return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
+        mixed_qkv, _ = self.linear_qkv(hidden_states)
+        # the fused rows are [q of the group's heads, k, v] per group: gather them all, keep this rank's group
+        mixed_qkv = all_gather_last_dim(mixed_qkv, self.tp_group)
+        ranks_per_group = self.world_size // groups
+        rank = dist.get_rank(self.tp_group)
+        size = mixed_qkv.size(-1) // groups
+        group = rank // ranks_per_group
+        mixed_qkv = mixed_qkv[..., group * size:(group + 1) * size]
+        d = self.hidden_size_per_attention_head
+        per_group = self.config.num_attention_heads // groups
+        query, key, value = torch.split(mixed_qkv, [per_group * d, d, d], dim=-1)
+        query = query.reshape(*query.shape[:2], per_group, d)
+        # of the group's query heads, this rank's share
+        share = per_group // ranks_per_group
+        start = (rank % ranks_per_group) * share
+        query = query[:, :, start:start + share]
+        key = key.reshape(*key.shape[:2], 1, d)
+        value = value.reshape(*value.shape[:2], 1, d)
+        if self.q_layernorm is not None:
+            query = self.q_layernorm(query)
+        if self.k_layernorm is not None:
+            key = self.k_layernorm(key)
+        return query, key, value

@@ -28,3 +28,30 @@ def gather_tensor_parallel_last_dim(x: torch.Tensor) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
     return _GatherLastDim.apply(x, group)
+
+
+class _AllGatherLastDim(torch.autograd.Function):
+    """All-gather along the last dimension whose backward sums every rank's gradient (reduce-scatter):
+    for tensors that each rank goes on to use differently."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        return torch.cat(parts, dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)  # gloo has no reduce-scatter
+        size, rank = dist.get_world_size(ctx.group), dist.get_rank(ctx.group)
+        return grad.chunk(size, dim=-1)[rank].contiguous(), None
+
+
+def all_gather_last_dim(x: torch.Tensor, group=None) -> torch.Tensor:
+    """mcore's `all_gather_last_dim_from_tensor_parallel_region`, on any device."""
+    group = group or parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return x
+    return _AllGatherLastDim.apply(x, group)

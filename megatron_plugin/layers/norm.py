@@ -9,6 +9,25 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 
+class RMSNorm(torch.nn.Module):
+    """RMSNorm in HF's order of operations (Llama, Mistral, Qwen): normalize in fp32, cast back to the
+    input dtype, then scale. torch.nn.RMSNorm scales before the cast, which differs in bf16."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, device=None, dtype=None):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)}, eps={self.eps}"
+
+
 class Norm:
     """LayerNorm or RMSNorm (by `config.normalization`) whose parameters are marked for sequence
     parallelism. Same constructor as mcore's norms, so it fits any slot of a layer spec."""
@@ -29,7 +48,7 @@ class Norm:
         if config.normalization == "LayerNorm":
             norm = torch.nn.LayerNorm(hidden_size, **kwargs)
         elif config.normalization == "RMSNorm":
-            norm = torch.nn.RMSNorm(hidden_size, **kwargs)
+            norm = RMSNorm(hidden_size, **kwargs)
         else:
             raise NotImplementedError(f"normalization={config.normalization!r} is not implemented")
         for param in norm.parameters():

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.attention import SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -18,7 +18,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer, Transf
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from ..errors import MegatronPluginConfigError
-from .attention import SDPAttention
+from .attention import SDPAttention, SelfAttention
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .norm import Norm
 
@@ -63,7 +63,7 @@ def block_spec(config: TransformerConfig, num_local_layers: int, backend: str = 
         raise MegatronPluginConfigError(
             "backend", backend, "only the 'local' spec (Megatron-Core layers + SDPA attention) is supported so far"
         )
-    return TransformerBlockSubmodules(layer_specs=[local_layer_spec()] * num_local_layers, layer_norm=Norm)
+    return TransformerBlockSubmodules(layer_specs=[local_layer_spec(config.qk_layernorm)] * num_local_layers, layer_norm=Norm)
 
 
 def default_backend(device_type: str, requested: Optional[str] = None) -> str:

@@ -3,8 +3,9 @@
 from ..errors import MegatronPluginConfigError
 from .family import ModelFamily
 from .gpt2 import GPT2
+from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
 
-FAMILIES = {t: fam for fam in (GPT2,) for t in fam.model_types}
+FAMILIES = {t: fam for fam in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3) for t in fam.model_types}
 
 
 def get_family(hf_config) -> ModelFamily:
@@ -27,9 +28,11 @@ def check_model(plugin, hf_config) -> ModelFamily:
         raise MegatronPluginConfigError(
             "tp_degree", tp, f"the model's {heads} attention heads must split evenly over TP ranks: use a divisor of {heads}"
         )
-    if groups % tp:
+    if groups % tp and tp % groups:
+        # fewer key/value heads than ranks works when each head serves a whole number of ranks
         raise MegatronPluginConfigError(
-            "tp_degree", tp, f"the model's {groups} key/value heads must split evenly over TP ranks: use a divisor of {groups}"
+            "tp_degree", tp, f"the model's {groups} key/value heads must split evenly over TP ranks, or each be "
+            f"shared by a whole number of them: use a divisor or a multiple of {groups} that divides {heads}"
         )
     ffn = tc.get("ffn_hidden_size")
     if ffn and ffn % tp:

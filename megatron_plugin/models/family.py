@@ -25,6 +25,10 @@ class ModelFamily:
     tied_embeddings: Callable[[Any], bool] = lambda c: bool(getattr(c, "tie_word_embeddings", True))
     # the longest sequence the model can take (learned position embeddings), or None
     position_limit: Callable[[Any], Optional[int]] = lambda c: None
+    # rotary positions computed per token from position_ids (layers/rope.py)
+    rotary: bool = False
+    # the attention window (keys older than it are masked) of every layer, or None
+    sliding_window: Callable[[Any], Optional[int]] = lambda c: None
 
     def table(self, hf_config, lm_head: bool) -> List[Rule]:
         """The mapping table for this config (tied or not) and model class (with or without LM head)."""

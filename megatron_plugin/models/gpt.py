@@ -14,6 +14,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ..layers.cross_entropy import vocab_parallel_cross_entropy
 from ..errors import MegatronPluginConfigError
 from ..layers.linear import ColumnParallelLinear
+from ..layers.masks import add_window
+from ..layers.rope import RotaryEmbedding
 from ..plugin import MegatronLMPlugin
 from ..layers.spec import block_spec
 from .family import ModelFamily
@@ -28,16 +30,30 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
 
 class MegatronGPT(GPTModel):
     """GPTModel that (1) keeps padded vocabulary rows out of the softmax (`cross_entropy.py`), so the
-    loss equals HF's, and (2) can stop at the final norm, for HF base models (`GPT2Model`) that have no
-    LM head."""
+    loss equals HF's, (2) can stop at the final norm, for HF base models (`GPT2Model`) that have no
+    LM head, and (3) takes rotary positions per token from `position_ids` and an attention window, as
+    the Llama family needs."""
 
-    def __init__(self, *args, true_vocab_size: int, lm_head: bool = True, **kwargs):
+    def __init__(self, *args, true_vocab_size: int, lm_head: bool = True, rotary: Optional[RotaryEmbedding] = None,
+                 sliding_window: Optional[int] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.true_vocab_size = true_vocab_size
         self.lm_head = lm_head
+        self.rotary = rotary
+        self.sliding_window = sliding_window
         if self.post_process:
             # GPTModel builds its output layer outside the layer spec; ours adds only a method (CPU autocast)
             self.output_layer.__class__ = ColumnParallelLinear
+
+    def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
+        attention_mask = add_window(attention_mask, position_ids.shape[1], self.sliding_window, position_ids.device)
+        return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+
+    def _preprocess(self, input_ids, position_ids, *args, **kwargs):
+        out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
+        if self.rotary is None:
+            return out
+        return (out[0], self.rotary(position_ids), *out[2:])
 
     def compute_language_model_loss(self, labels, logits):
         """Per-token loss [b, s] from labels [b, s] and logits [s, b, local vocab]."""
@@ -139,6 +155,7 @@ def build_model(
     vp_stage: Optional[int] = None,
 ) -> MegatronGPT:
     tied = family.tied_embeddings(hf_config) or not lm_head
+    device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
     return MegatronGPT(
         config=config,
         transformer_layer_spec=block_spec(config, plan.num_layers, backend),
@@ -150,5 +167,7 @@ def build_model(
         true_vocab_size=hf_config.vocab_size,
         lm_head=lm_head,
         vp_stage=vp_stage,
+        rotary=RotaryEmbedding(hf_config, device) if family.rotary else None,
+        sliding_window=family.sliding_window(hf_config),
         **family.model_kwargs(hf_config),
     )

@@ -14,20 +14,8 @@ from . import get_family
 from .gpt import build_model, build_transformer_config
 from .mapping import StagePlan, expand
 from ..plugin import MegatronLMPlugin
+from ..layers.masks import attention_mask_4d
 from ..layers.spec import default_backend
-
-
-def attention_mask_4d(attention_mask: Optional[torch.Tensor], seq_len: int) -> Optional[torch.Tensor]:
-    """HF padding mask [b, s] (1 = token) -> Megatron mask [b, 1, s, s] (True = masked): causal and
-    no attention to padding keys. A padding query may always see itself, so no softmax row is empty.
-    None when there is no padding, which lets SDPA use its causal kernels."""
-    if attention_mask is None or bool(attention_mask.all()):
-        return None
-    keep = attention_mask.bool()
-    causal = torch.ones(seq_len, seq_len, dtype=torch.bool, device=keep.device).tril()
-    allowed = causal[None] & keep[:, None, :]
-    allowed |= torch.eye(seq_len, dtype=torch.bool, device=keep.device)[None]
-    return ~allowed[:, None]
 
 
 class MegatronModel(torch.nn.Module):
@@ -116,9 +104,9 @@ class MegatronModel(torch.nn.Module):
         shifted, -100 = ignore) returns per-token losses [b, s]; else logits gathered over TP and cut to
         the true vocabulary (or hidden states for a base model)."""
         b, s = input_ids.shape
+        mask = attention_mask_4d(attention_mask, s, position_ids)
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
-        mask = attention_mask_4d(attention_mask, s)
         if labels is not None:
             safe = labels.masked_fill(labels < 0, 0)
             return self.module(input_ids, position_ids, mask, labels=safe)

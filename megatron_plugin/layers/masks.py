@@ -1,0 +1,67 @@
+"""Attention masks from HF inputs, in Megatron's convention: bool [b, 1, queries, keys], True = masked.
+
+`None` means "plain causal, nothing else", which lets SDPA take its causal (flash) kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+
+def packed_sequence_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
+    """HF's rule (transformers.masking_utils.find_packed_sequence_indices): where position ids do not
+    step by one a new sequence starts. [b, s] -> sequence index per token, or None if nothing is packed."""
+    first = position_ids[:, :1] - 1
+    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
+    ids = starts.cumsum(-1)
+    return None if bool((ids[:, -1] == 0).all()) else ids
+
+
+def attention_mask_4d(attention_mask: Optional[torch.Tensor], seq_len: int, position_ids: Optional[torch.Tensor] = None,
+                      window: Optional[int] = None, past: int = 0, device=None) -> Optional[torch.Tensor]:
+    """Causal mask for `seq_len` new queries after `past` cached keys.
+
+    attention_mask: HF padding mask [b, past + seq_len] (1 = token), or None.
+    position_ids: [b, seq_len]; as in HF, read only when there is no attention_mask and no cache:
+        restarting positions mark packed sequences, which then attend only within themselves.
+    window: keys `window` or more tokens behind a query are masked (Mistral's sliding window).
+    A query row that sees no key at all (a left-padding position) stays fully masked: torch's SDPA
+    then returns zeros for it, as it does under HF's own SDPA mask, so even the loss at the last padding
+    position (it predicts the first token) equals HF's.
+    """
+    keys = past + seq_len
+    packed = None
+    if attention_mask is None and position_ids is not None and past == 0:
+        packed = packed_sequence_ids(position_ids)
+    padded = attention_mask is not None and not bool(attention_mask.all())
+    windowed = window is not None and keys > window
+    if not (padded or packed is not None or windowed or (past and seq_len > 1)):
+        return None
+    for t in (attention_mask, position_ids):
+        if t is not None:
+            device = t.device
+    q = torch.arange(past, keys, device=device)[:, None]
+    k = torch.arange(keys, device=device)[None, :]
+    allowed = k <= q
+    if windowed:
+        allowed &= q - k < window
+    allowed = allowed[None]
+    if padded:
+        allowed = allowed & attention_mask.bool()[:, None, :]
+    if packed is not None:
+        allowed = allowed & (packed[:, :, None] == packed[:, None, :])
+    return ~allowed[:, None]
+
+
+def add_window(mask: Optional[torch.Tensor], seq_len: int, window: Optional[int], device=None) -> Optional[torch.Tensor]:
+    """`mask` (or plain causal when None) with keys `window` or more tokens behind each query masked too."""
+    keys = seq_len if mask is None else mask.shape[-1]
+    if window is None or keys <= window:
+        return mask
+    device = device if mask is None else mask.device
+    q = torch.arange(keys - seq_len, keys, device=device)[:, None]
+    k = torch.arange(keys, device=device)[None, :]
+    outside = (q - k >= window) | (k > q)
+    return outside[None, None] if mask is None else mask | outside
