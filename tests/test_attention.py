@@ -59,6 +59,20 @@ def test_attention_mask_4d():
 
     assert attention_mask_4d(None, 4) is None
     assert attention_mask_4d(torch.ones(2, 4), 4) is None
+    T, F = True, False
     mask = attention_mask_4d(torch.tensor([[1, 1, 0]]), 3)[0, 0]
-    expected = torch.tensor([[False, True, True], [False, False, True], [False, False, False]])
-    assert torch.equal(mask, expected)  # last (padding) query sees itself and earlier tokens only
+    assert torch.equal(mask, torch.tensor([[F, T, T], [F, F, T], [F, F, T]]))  # no query sees the padding key
+    # a left-padding query sees nothing (SDPA returns zeros there, as under HF's mask)
+    mask = attention_mask_4d(torch.tensor([[0, 1, 1]]), 3)[0, 0]
+    assert torch.equal(mask, torch.tensor([[T, T, T], [T, F, T], [T, F, F]]))
+    # packed sequences (position ids restart, no attention mask) attend within themselves
+    mask = attention_mask_4d(None, 4, torch.tensor([[0, 1, 0, 1]]))[0, 0]
+    assert torch.equal(mask, torch.tensor([[F, T, T, T], [F, F, T, T], [T, T, F, T], [T, T, F, F]]))
+    assert attention_mask_4d(None, 4, torch.tensor([[5, 6, 7, 8]])) is None  # an offset is not packing
+    # a window of 2: each query sees itself and one key back
+    mask = attention_mask_4d(None, 4, window=2)[0, 0]
+    assert torch.equal(mask, torch.tensor([[F, T, T, T], [F, F, T, T], [T, F, F, T], [T, T, F, F]]))
+    assert attention_mask_4d(None, 4, window=4) is None  # the window covers everything: plain causal
+    # one new query after 3 cached keys, the first of them padding
+    mask = attention_mask_4d(torch.tensor([[0, 1, 1, 1]]), 1, past=3)[0, 0]
+    assert torch.equal(mask, torch.tensor([[T, F, F, F]]))

@@ -100,10 +100,10 @@ def test_heads_not_divisible_by_tp(clean_env):
 
 
 def test_unsupported_model_type_lists_supported(clean_env):
-    from transformers import BertConfig
+    from transformers import GPTNeoXConfig
 
-    with pytest.raises(MegatronPluginConfigError, match=r"model_type='bert'.*\['gpt2'\]"):
-        initialize(MegatronLMPlugin(), BertConfig())
+    with pytest.raises(MegatronPluginConfigError, match=r"model_type='gpt_neox'.*'gpt2', 'llama', 'mistral', 'qwen2', 'qwen3'"):
+        initialize(MegatronLMPlugin(), GPTNeoXConfig())
 
 
 def test_pipeline_must_split_layers(clean_env):
