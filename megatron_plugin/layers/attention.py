@@ -60,6 +60,9 @@ class SDPAttention(MegatronModule):
         self.head_dim = config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
+        self.attention_type = attention_type
+        # set by generation (megatron_plugin.generation.cache) while it decodes; None when training
+        self.kv_cache = None
 
     def forward(
         self,
@@ -77,6 +80,9 @@ class SDPAttention(MegatronModule):
         sq, b = query.shape[0], query.shape[1]
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
+        if self.kv_cache is not None:
+            out = self.kv_cache.attend(q, k, v, self.softmax_scale, self.groups != self.heads, attention_bias)
+            return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
         attn_mask = None
         is_causal = False
         if attention_bias is not None:

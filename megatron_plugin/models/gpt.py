@@ -41,9 +41,22 @@ class MegatronGPT(GPTModel):
         self.lm_head = lm_head
         self.rotary = rotary
         self.sliding_window = sliding_window
+        self.last_position_logits = False  # generation needs the next-token logits only
         if self.post_process:
             # GPTModel builds its output layer outside the layer spec; ours adds only a method (CPU autocast)
             self.output_layer.__class__ = ColumnParallelLinear
+
+    def setup_embeddings_and_output_layer(self):
+        # With tied embeddings split over pipeline stages, mcore fills the last stage's copy from the first
+        # stage through CUDA (`weight.data.cuda()` + all-reduce). The HF weights fill both copies at load,
+        # so on CPU that copy is skipped; the attributes mcore sets on the weights are kept.
+        if torch.cuda.is_available():
+            return super().setup_embeddings_and_output_layer()
+        self._is_in_embd_group = lambda: False
+        try:
+            return super().setup_embeddings_and_output_layer()
+        finally:
+            del self._is_in_embd_group
 
     def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
         attention_mask = add_window(attention_mask, position_ids.shape[1], self.sliding_window, position_ids.device)
@@ -61,6 +74,8 @@ class MegatronGPT(GPTModel):
         return loss.transpose(0, 1).contiguous()
 
     def _postprocess(self, hidden_states, **kwargs):
+        if self.post_process and self.last_position_logits:
+            hidden_states = hidden_states[-1:]
         if self.post_process and not self.lm_head:
             if self.config.sequence_parallel:
                 hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
