@@ -384,3 +384,33 @@ def _accelerate_accelerator():
 def test_accelerate_accelerator_under_megatron_config_says_what_to_import():
     (msg,) = run_on_ranks(_accelerate_accelerator, 1)
     assert msg and "from megatron_plugin import Accelerator" in msg
+
+
+# -- the Llama family ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides,tp,setting,words", [
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 2.0}), 1, "rope_scaling", ("'dynamic'", "supported")),
+    (dict(rope_scaling={"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}), 1,
+     "rope_scaling", ("'yarn'",)),
+    (dict(hidden_act="gelu"), 1, "hidden_act", ("SwiGLU",)),
+    (dict(attention_bias=True), 1, "attention_bias/mlp_bias", ("Qwen2",)),
+    (dict(num_key_value_heads=4), 16, "tp_degree", ("8 attention heads",)),
+    (dict(), 3, "tp_degree", ("8 attention heads",)),
+    (dict(num_attention_heads=12, num_key_value_heads=3, hidden_size=96), 2, "tp_degree", ("3 key/value heads",)),
+    (dict(intermediate_size=90), 4, "tp_degree", ("MLP width 90",)),
+], ids=["rope_dynamic", "rope_yarn", "gelu", "o_proj_bias_only", "tp_over_heads", "tp3", "kv_heads_3_tp2", "ffn_90_tp4"])
+def test_llama_family_bad_configs(overrides, tp, setting, words):
+    from megatron_plugin.models import check_model
+    from tests.models import llama_config
+
+    cfg = llama_config("llama", **overrides)
+    _check(_error(lambda: check_model(MegatronLMPlugin(tp_degree=tp), cfg)), setting, *words)
+
+
+def test_sliding_window_on_some_layers_only_is_refused():
+    from megatron_plugin.models import check_model
+    from tests.models import llama_config
+
+    cfg = llama_config("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    _check(_error(lambda: check_model(MegatronLMPlugin(), cfg)), "layer_types", "some layers only")
+    every = llama_config("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
+    assert check_model(MegatronLMPlugin(), every).sliding_window(every) == 4  # on every layer: mapped

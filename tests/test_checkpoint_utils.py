@@ -167,3 +167,20 @@ def test_bad_input_leaves_no_output(tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
     convert_hf_to_megatron(str(hf_dir), str(out), overwrite=True, progress=False)
     assert not (out / "keep.txt").exists() and (out / "latest").exists()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral", "qwen2", "qwen3", "llama_tied_linear"])
+def test_llama_family_hf_to_megatron_to_hf_bit_exact(tmp_path, name):
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import tiny_llama
+
+    hf = tiny_llama(name, num_hidden_layers=4)
+    hf.save_pretrained(tmp_path / "hf", max_shard_size="40KB")  # several shards and an index
+    assert os.path.exists(tmp_path / "hf" / "model.safetensors.index.json")
+    convert_hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=2, pp=2, progress=False)
+    reshape_megatron(str(tmp_path / "mg"), str(tmp_path / "mg4"), tp=4, pp=1, progress=False)  # 2 KV heads at TP=4 too
+    convert_megatron_to_hf(str(tmp_path / "mg4"), str(tmp_path / "back"), progress=False)
+    back = AutoModelForCausalLM.from_pretrained(tmp_path / "back")
+    assert type(back) is type(hf)
+    _assert_same(back.state_dict(), hf.state_dict())
