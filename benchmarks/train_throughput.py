@@ -1,15 +1,19 @@
-"""Training throughput of GPT-2 sizes: megatron_plugin vs HF + accelerate (eager) vs HF + torch.compile.
+"""Training throughput: megatron_plugin vs the strongest plain HF + accelerate set-up, GPT-2 and Llama shapes.
 
-Each measurement runs in its own process (torchrun for several GPUs) and prints one JSON line; the
-driver prints a markdown table. Synthetic tokens, seq 1024, bf16, AdamW, the same global batch for
-every mode.
+Modes: `megatron` (the plugin, eager layers), `megatron_compile` (`torch_compile=True`), `hf_compile`
+(HF + accelerate as a careful user writes it: `attn_implementation="sdpa"` set explicitly, bf16
+autocast over fp32 master weights, `torch.optim.AdamW(fused=True)`, foreach gradient clipping,
+`torch.compile(model)`), `hf_eager` (the same without torch.compile). Each measurement runs in its own
+process (torchrun for several GPUs) and prints one JSON line; the driver prints a markdown table.
+Synthetic tokens, the same global batch and micro-batches for every mode.
 
     python benchmarks/train_throughput.py --sizes 124m,350m
     python benchmarks/train_throughput.py --sizes 1.5b --num_micro 4        # 4 micro-batches of 4
+    python benchmarks/train_throughput.py --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 4
     python benchmarks/train_throughput.py --sizes 124m --modes megatron --nproc 2 --global_batch 32
 
-FLOPs per token = 6 * N + 12 * L * h * s (N: parameters without position embeddings, counting the
-tied LM head once; L layers, h hidden size, s sequence length: the attention score and value matmuls,
+FLOPs per token = 6 * N + 12 * L * h * s (N: parameters without position embeddings, counting a tied
+LM head once; L layers, h hidden size, s sequence length: the attention score and value matmuls,
 forward and backward). MFU = achieved FLOP/s / the GPU's dense bf16 peak.
 """
 
@@ -21,11 +25,14 @@ import subprocess
 import sys
 import time
 
-SIZES = {  # n_layer, n_embd, n_head
+SIZES = {  # GPT-2: n_layer, n_embd, n_head
     "124m": (12, 768, 12),
     "350m": (24, 1024, 16),
     "774m": (36, 1280, 20),
     "1.5b": (48, 1600, 25),
+}
+LLAMA_SIZES = {  # layers, hidden, heads, KV heads, ffn, vocab (Llama 3.2 1B; tied embeddings)
+    "llama-1b": (16, 2048, 32, 8, 8192, 128256),
 }
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
@@ -37,15 +44,26 @@ def peak_flops(name: str) -> float:
     return float("nan")
 
 
-def gpt2_config(size, seq):
-    from transformers import GPT2Config
+def model_config(size, seq):
+    from transformers import GPT2Config, LlamaConfig
 
+    if size in LLAMA_SIZES:
+        layers, hidden, heads, kv, ffn, vocab = LLAMA_SIZES[size]
+        return LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+                           num_key_value_heads=kv, intermediate_size=ffn, vocab_size=vocab, max_position_embeddings=seq,
+                           rope_theta=500000.0, tie_word_embeddings=True, attn_implementation="sdpa")
     n_layer, n_embd, n_head = SIZES[size]
     return GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_positions=seq, vocab_size=50257,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
 
 
 def flops_per_token(cfg, seq):
+    if cfg.model_type == "llama":
+        h, L = cfg.hidden_size, cfg.num_hidden_layers
+        kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+        per_layer = 2 * h * h + 2 * h * kv + 3 * h * cfg.intermediate_size + 2 * h
+        n = per_layer * L + cfg.vocab_size * h + h
+        return 6 * n + 12 * L * h * seq, n
     n = (12 * cfg.n_embd**2 + 13 * cfg.n_embd) * cfg.n_layer + cfg.vocab_size * cfg.n_embd + 2 * cfg.n_embd
     return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq, n
 
@@ -53,14 +71,16 @@ def flops_per_token(cfg, seq):
 def build_step(args):
     """Model, optimizer and data for one mode in this process; returns (step, hf_config, world size)."""
     import torch
-    from transformers import GPT2LMHeadModel
+    from transformers import AutoModelForCausalLM
 
-    cfg = gpt2_config(args.size, args.seq)
+    cfg = model_config(args.size, args.seq)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(0)
     with torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))):
-        model = GPT2LMHeadModel(cfg)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    hf = args.mode.startswith("hf")
+    # the strong HF baseline steps a fused AdamW; the plugin builds its own optimizer from this one
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **({"fused": True} if hf else {}))
     ids = torch.randint(0, cfg.vocab_size, (args.global_batch, args.seq))
     data = [{"input_ids": x, "labels": x} for x in ids]
 
@@ -102,7 +122,7 @@ def build_step(args):
                 ctx = acc.no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext()
                 with ctx:
                     acc.backward(fwd(**mb).loss / len(micro_batches))
-            acc.clip_grad_norm_(model.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
             opt.step()
             opt.zero_grad(set_to_none=True)
 

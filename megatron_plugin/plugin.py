@@ -256,17 +256,11 @@ def check_cpu_support(plugin: MegatronLMPlugin) -> None:
 
 
 def check_compile(plugin: MegatronLMPlugin, compile_kwargs: Optional[dict], device_type: str) -> None:
-    """Compiled layers run on the CUDA engine without tensor parallelism (see the TP note below)."""
+    """Compiled layers run on the CUDA engine (with TP > 1 the tensor-parallel linears stay eager inside
+    them: layers/linear.py)."""
     if compile_kwargs is None:
         return
     setting, value = ("torch_compile", True) if plugin.torch_compile else ("dynamo_backend", compile_kwargs.get("backend"))
     off = "set torch_compile=False and dynamo_backend 'no' (accelerate config / Accelerator(dynamo_backend=...))"
     if device_type != "cuda":
         raise MegatronPluginConfigError(setting, value, f"compiled layers are for the CUDA engine only; for a CPU run {off}")
-    if plugin.tp_degree > 1:
-        # Inside a compiled layer, mcore's tensor-parallel linears (async all-gather / reduce-scatter in
-        # custom autograd functions) trained to wrong losses in our GPU tests (TP=2 + SP).
-        raise MegatronPluginConfigError(
-            setting, value, f"compiled layers are not supported with tp_degree={plugin.tp_degree} yet: {off}, "
-            "or use tp_degree=1 (data/pipeline parallelism compile fine)",
-        )

@@ -93,10 +93,10 @@ def test_questionnaire_flags_and_gpu_answers(tmp_path):
     cpu_compile = tmp_path / "cpu_compile.yaml"
     assert main(["config", "--config_file", str(cpu_compile), "--non_interactive", "--cpu", "yes", "--compile", "yes"]) == 2
     assert not cpu_compile.exists()
-    tp_compile = tmp_path / "tp_compile.yaml"  # compiled layers are refused with TP > 1 (see check_compile)
+    tp_compile = tmp_path / "tp_compile.yaml"  # compiled layers with TP > 1 (the TP linears stay eager)
     assert main(["config", "--config_file", str(tp_compile), "--non_interactive", "--tp", "2", "--num_processes", "2",
-                 "--compile", "yes"]) == 2
-    assert not tp_compile.exists()
+                 "--compile", "yes"]) == 0
+    assert yaml.safe_load(tp_compile.read_text())["dynamo_config"] == {"dynamo_backend": "INDUCTOR"}
 
 
 def test_llama_sft_example_learns(tmp_path):

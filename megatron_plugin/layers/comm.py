@@ -49,8 +49,10 @@ class _AllGatherLastDim(torch.autograd.Function):
         return grad.chunk(size, dim=-1)[rank].contiguous(), None
 
 
+@torch.compiler.disable
 def all_gather_last_dim(x: torch.Tensor, group=None) -> torch.Tensor:
-    """mcore's `all_gather_last_dim_from_tensor_parallel_region`, on any device."""
+    """mcore's `all_gather_last_dim_from_tensor_parallel_region`, on any device (eager under torch.compile,
+    as the TP linears are)."""
     group = group or parallel_state.get_tensor_model_parallel_group()
     if dist.get_world_size(group) == 1:
         return x

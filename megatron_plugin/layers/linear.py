@@ -7,6 +7,21 @@ from megatron.core.tensor_parallel import ColumnParallelLinear as _McoreColumnPa
 from megatron.core.tensor_parallel import RowParallelLinear as _McoreRowParallelLinear
 
 
+@torch.compiler.disable
+def _outside_compiled_graph(fn, *args, **kwargs):
+    return fn(*args, **kwargs)
+
+
+def _forward(layer, parent_forward, *args, **kwargs):
+    """Under torch.compile with TP > 1 the linear, with its collectives and mcore's custom autograd
+    function (async all-gather/reduce-scatter into a shared buffer for SP), runs eagerly between the
+    compiled pieces of the layer: compiled whole, TP=2 + SP trained to wrong losses on GPU. The GEMM
+    gains nothing from compiling; the norms, attention and elementwise work around it stay compiled."""
+    if layer.tp_group is not None and layer.tp_group.size() > 1 and torch.compiler.is_compiling():
+        return _outside_compiled_graph(parent_forward, *args, **kwargs)
+    return parent_forward(*args, **kwargs)
+
+
 def _cast_for_cpu_autocast(input, weight, kwargs):
     """mcore's linear autograd functions declare autocast for CUDA only. Under CPU autocast their
     forward computes in bf16 but their backward multiplies the bf16 gradient with the fp32 weight and
@@ -21,7 +36,11 @@ def _cast_for_cpu_autocast(input, weight, kwargs):
 
 
 class ColumnParallelLinear(_McoreColumnParallelLinear):
-    """mcore's ColumnParallelLinear that also trains under CPU autocast (see `_cast_for_cpu_autocast`)."""
+    """mcore's ColumnParallelLinear that also trains under CPU autocast (see `_cast_for_cpu_autocast`) and
+    stays out of compiled graphs with TP > 1 (see `_forward`)."""
+
+    def forward(self, *args, **kwargs):
+        return _forward(self, super().forward, *args, **kwargs)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         input, weight = _cast_for_cpu_autocast(input, weight, kwargs)
@@ -32,7 +51,10 @@ class RowParallelLinear(_McoreRowParallelLinear):
     """mcore 0.16's RowParallelLinear hands `tp_group=None` to its matmul, which then raises a
     deprecation warning on every call: host time each step, and a graph break that keeps
     torch.compile from capturing a transformer layer whole. Hand it the layer's own group. Trains
-    under CPU autocast too (see `_cast_for_cpu_autocast`)."""
+    under CPU autocast too (see `_cast_for_cpu_autocast`), and stays out of compiled graphs with TP > 1."""
+
+    def forward(self, *args, **kwargs):
+        return _forward(self, super().forward, *args, **kwargs)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         if kwargs.get("tp_group") is None:

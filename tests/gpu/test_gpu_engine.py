@@ -6,7 +6,9 @@
 import pytest
 import torch
 
-from tests.gpu.workers import STEPS, run_layout
+from functools import partial
+
+from tests.gpu.workers import STEPS, generate_layout, run_layout
 from tests.spawn import run_on_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -21,12 +23,28 @@ LAYOUTS_2GPU = {
     "tp2_sp_recompute": dict(tp=2, sp=True, recompute=True),
     "dp2_compiled": dict(compile="plugin"),
     "pp2_compiled_recompute": dict(pp=2, recompute=True, compile="plugin"),
+    # compiled layers with TP: the TP linears run eagerly inside them (layers/linear.py)
+    "tp2_compiled": dict(tp=2, compile="plugin"),
+    "tp2_sp_compiled": dict(tp=2, sp=True, compile="plugin"),
+}
+# the Llama family (GQA, RoPE, SwiGLU, RMSNorm) in the layouts people train it with
+LLAMA_LAYOUTS_2GPU = {
+    "llama_tp2_sp": dict(tp=2, sp=True),
+    "llama_pp2": dict(pp=2),
+    "llama_dp2_distopt": dict(distopt=True),
+    "llama_tp2_sp_compiled": dict(tp=2, sp=True, compile="plugin"),
 }
 
 
 @pytest.fixture(scope="module")
 def baseline():
     (losses,) = run_on_ranks(run_layout, 1)
+    return losses
+
+
+@pytest.fixture(scope="module")
+def llama_baseline():
+    (losses,) = run_on_ranks(partial(run_layout, family="llama"), 1)
     return losses
 
 
@@ -39,10 +57,16 @@ def _logits(kwargs):
     return run_layout(mode="logits", **kwargs)
 
 
+def test_single_gpu_bf16_logits_llama():
+    (res,) = run_on_ranks(_logits, 1, dict(family="llama"))
+    assert res["ours_err"] <= 2 * res["hf_bf16_err"] + 1e-3, res
+
+
 @two_gpus
-@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2_distopt", "tp2_sp"])
+@pytest.mark.parametrize("name", ["tp2", "pp2", "dp2_distopt", "tp2_sp", "llama_tp2", "llama_pp2", "llama_tp2_sp"])
 def test_bf16_logits_parity_2gpu(name):
-    results = run_on_ranks(_logits, 2, LAYOUTS_2GPU[name])
+    layout = dict(LAYOUTS_2GPU.get(name.replace("llama_", ""), {}), **({"family": "llama"} if name.startswith("llama") else {}))
+    results = run_on_ranks(_logits, 2, layout)
     last = [r for r in results if r["last_stage"]]
     assert last, results
     for r in last:
@@ -75,6 +99,35 @@ def test_compiled_layers_track_eager_baseline(baseline):
 def test_layouts_track_single_gpu_loss(name, baseline):
     for losses in run_on_ranks(_train, 2, LAYOUTS_2GPU[name]):
         _assert_tracks(losses, baseline, name)
+
+
+def test_llama_baseline_learns(llama_baseline):
+    assert sum(llama_baseline[-5:]) < sum(llama_baseline[:5]) * 0.8, llama_baseline
+
+
+@two_gpus
+@pytest.mark.parametrize("name", list(LLAMA_LAYOUTS_2GPU))
+def test_llama_layouts_track_single_gpu_loss(name, llama_baseline):
+    for losses in run_on_ranks(_train, 2, dict(LLAMA_LAYOUTS_2GPU[name], family="llama")):
+        _assert_tracks(losses, llama_baseline, name)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_frozen_parameters_stay_frozen_on_gpu(family):
+    (res,) = run_on_ranks(_train, 1, dict(family=family, frozen=True, steps=10))
+    assert res["frozen_names"] and res["frozen_kept"] and res["others_moved"], res
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_generation_cuda_graphs_equal_eager_and_hf(family):
+    (res,) = run_on_ranks(generate_layout, 1, 1, family)
+    assert res["graphs_equal_eager"] and res["equal_hf"], res
+
+
+@two_gpus
+def test_generation_tp2_cuda_graphs():
+    for res in run_on_ranks(generate_layout, 2, 2, "llama"):
+        assert res["graphs_equal_eager"] and res["equal_hf"], res
 
 
 def _assert_tracks(losses, baseline, name):

@@ -4,16 +4,26 @@ import os
 
 import torch
 from torch.utils.data import DataLoader
-from transformers import GPT2Config, GPT2LMHeadModel
 
 SEQ, MICRO, NUM_MICRO, STEPS = 64, 4, 2, 50
+FROZEN = {"gpt2": ("transformer.wte.", "transformer.h.0.attn."), "llama": ("model.embed_tokens.", "model.layers.0.self_attn.")}
 
 
-def gpu_model(seed=0):
+def gpu_model(family="gpt2", seed=0):
+    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+
     torch.manual_seed(seed)
-    cfg = GPT2Config(vocab_size=1000, n_positions=128, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0,
-                     embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
-    return GPT2LMHeadModel(cfg)
+    if family == "gpt2":
+        cfg = GPT2Config(vocab_size=1000, n_positions=128, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0,
+                         embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
+        return GPT2LMHeadModel(cfg)
+    # grouped-query attention (2 KV heads: one per rank at TP=2), llama3 rope scaling, untied head
+    cfg = LlamaConfig(vocab_size=1000, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=128,
+                      rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                    "high_freq_factor": 4.0, "original_max_position_embeddings": 32},
+                      tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, attn_implementation="sdpa")
+    return LlamaForCausalLM(cfg)
 
 
 def dataset(n, vocab=1000, seed=3):
@@ -25,7 +35,8 @@ def dataset(n, vocab=1000, seed=3):
 
 
 def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="bf16", mode="train",
-               steps=STEPS, total_steps=STEPS, save_dir=None, load_dir=None, recompute=False, compile=None):
+               steps=STEPS, total_steps=STEPS, save_dir=None, load_dir=None, recompute=False, compile=None,
+               family="gpt2", frozen=False):
     """compile: None (eager), "plugin" (MegatronLMPlugin(torch_compile=True)) or "accelerate"
     (Accelerator(dynamo_backend="inductor"), as `accelerate config` sets it)."""
     from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
@@ -39,11 +50,16 @@ def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="
     )
     extra = {"dynamo_backend": "inductor"} if compile == "accelerate" else {}
     acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision=precision, **extra)
-    hf = gpu_model()
+    hf = gpu_model(family)
+    initial = {k: v.clone() for k, v in hf.state_dict().items()}
+    if frozen:
+        for name, p in hf.named_parameters():
+            if name.startswith(FROZEN[family]):
+                p.requires_grad_(False)
     # the same global batch (and so the same samples per step) for every layout
     data = dataset(total_steps * MICRO * NUM_MICRO)
     loader = DataLoader(data, batch_size=MICRO // dp, shuffle=False, drop_last=True)
-    opt = torch.optim.AdamW(hf.parameters(), lr=1e-3, weight_decay=0.01)
+    opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
     sched = MegatronLMDummyScheduler(opt, total_num_steps=total_steps, warmup_num_steps=5)
     engine, opt, sched, loader = acc.prepare(hf, opt, sched, loader)
 
@@ -52,7 +68,7 @@ def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="
         engine.eval()
         with torch.no_grad():
             out = engine(**batch)
-        ref_model = gpu_model().cuda().eval()
+        ref_model = gpu_model(family).cuda().eval()
         with torch.no_grad():
             ref = ref_model(**batch).logits.float()
             hf_bf16 = ref_model.to(torch.bfloat16)(**batch).logits.float()
@@ -79,4 +95,38 @@ def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="
             break
     if save_dir:
         acc.save_state(save_dir)
+    if frozen:
+        state = engine.hf_state_dict()
+        names = [k for k in state if k.startswith(FROZEN[family])]
+        dtype = next(iter(state.values())).dtype
+        return {"losses": losses, "frozen_names": names,
+                "frozen_kept": all(torch.equal(state[k].cpu(), initial[k].to(dtype)) for k in names),
+                "others_moved": any(not torch.equal(state[k].cpu(), initial[k].to(dtype)) for k in state if k not in names)}
     return losses
+
+
+def generate_layout(tp=1, family="gpt2"):
+    """Greedy generation (fp32) with and without CUDA graphs, and HF's on the same GPU."""
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=tp))
+    hf = gpu_model(family)
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-3)
+    loader = DataLoader(dataset(8), batch_size=4)
+    engine, opt, sched, loader = acc.prepare(hf, opt, MegatronLMDummyScheduler(opt, total_num_steps=2), loader)
+    g = torch.Generator().manual_seed(5)
+    ids = torch.randint(3, 1000, (4, 12), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    mask[3, 5:] = 0
+    graphs = engine.megatron_generate(ids, mask, max_new_tokens=40, eos_token_id=[], cuda_graphs=True)
+    eager = engine.megatron_generate(ids, mask, max_new_tokens=40, eos_token_id=[], cuda_graphs=False)
+    sampled = engine.megatron_generate(ids, mask, max_new_tokens=40, eos_token_id=[], top_k=20, random_seed=3)
+    ref_model = gpu_model(family).cuda().eval()
+    same = True
+    for r in range(ids.shape[0]):
+        n = int(mask[r].sum())
+        ref = ref_model.generate(ids[r:r + 1, :n].cuda(), max_new_tokens=40, do_sample=False, eos_token_id=None,
+                                 pad_token_id=0)[0].cpu()
+        same = same and torch.equal(graphs[r, : ref.numel()].cpu(), ref)
+    return {"graphs_equal_eager": torch.equal(graphs, eager), "equal_hf": same, "sampled_shape": tuple(sampled.shape)}
