@@ -65,9 +65,10 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
     plugin.validate(world_size=tp * pp * dp)
     check_model(plugin, cfg)
     dtype = _dtype(params_dtype)
-    rules = family.table(cfg, True)
+    variant = reader.variant
+    rules = family.table(cfg, variant)
     num_layers = family.num_layers(cfg)
-    missing = sorted(family.mapped_hf_names(cfg, True) - set(reader.names))
+    missing = sorted(family.mapped_hf_names(cfg, variant) - set(reader.names))
     if missing:
         raise MegatronPluginConfigError("--load_path", getattr(reader, "path", reader), f"lacks tensors {missing[:5]}")
     dims = model_dims(family, cfg, make_vocab_size_divisible_by, tp)
@@ -91,7 +92,7 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
         bar.close()
         write_meta(os.path.join(out, tag, "meta.json"), dict(checkpoint_meta(
             iteration=iteration, tp=tp, pp=pp, dp=dp, vpp=None, distributed_optimizer=use_distributed_optimizer,
-            model_only=True, family=family.name, lm_head=True,
+            model_only=True, family=family.name, variant=variant,
             make_vocab_size_divisible_by=make_vocab_size_divisible_by, hf_config=cfg.to_dict(),
         ), files=files))
         point_latest(out, tag)
@@ -110,7 +111,8 @@ def write_hf(reader: MegatronReader, save_path: str, max_shard_size: str = "10GB
     limit = parse_size(max_shard_size)
     dtype = _dtype(params_dtype)
     cfg, family = reader.config, reader.family
-    lm_head = reader.meta["lm_head"]
+    variant = reader.variant
+    strip = len(family.prefix(variant))
     if tokenizer_name is not None and not os.path.isdir(tokenizer_name):
         raise MegatronPluginConfigError("--tokenizer_name", tokenizer_name, "pass a local tokenizer folder")
     with staged_output(save_path, overwrite) as out:
@@ -129,7 +131,7 @@ def write_hf(reader: MegatronReader, save_path: str, max_shard_size: str = "10GB
         for name in tqdm(reader.names, desc="HF tensors", disable=not progress):
             x = reader.get(name)
             x = (x.to(dtype) if dtype else x).contiguous()
-            out_name = name if lm_head else name[len(family.base_prefix):]
+            out_name = name[strip:]
             nbytes = x.numel() * x.element_size()
             if current and size + nbytes > limit:
                 flush()
@@ -145,7 +147,7 @@ def write_hf(reader: MegatronReader, save_path: str, max_shard_size: str = "10GB
         if len(shards) > 1:
             with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
                 json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-        cfg.architectures = [family.lm_head_class if lm_head else family.base_class]
+        cfg.architectures = [family.classes[variant]]
         cfg.save_pretrained(out)
         if tokenizer_name is not None:
             from transformers import AutoTokenizer

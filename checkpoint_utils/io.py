@@ -65,14 +65,15 @@ class HFReader:
         for file in set(self._where.values()):
             if not os.path.exists(file):
                 raise MegatronPluginConfigError("--load_path", path, f"the index names {os.path.basename(file)}, which is missing")
-        # Base-model checkpoints (and old GPT-2 ones) name tensors without the LM model's prefix.
+        # The variant from config.architectures; a base model's tensors (and old GPT-2 checkpoints') lack
+        # the prefix the mapping table names them with.
+        archs = getattr(self.config, "architectures", None) or [None]
+        self.variant = self.family.variant_of_class(archs[0])
+        mapped = self.family.mapped_hf_names(self.config, self.variant)
         prefix = self.family.base_prefix
         self._alias = {}
         for k in self._where:
-            if k.startswith(prefix) or k.startswith("lm_head."):
-                self._alias[k] = k
-            else:
-                self._alias[prefix + k] = k
+            self._alias[k if k in mapped or not prefix or (prefix + k) not in mapped else prefix + k] = k
 
     @staticmethod
     def _keys(file: str) -> List[str]:
@@ -123,9 +124,10 @@ class MegatronReader:
         self.meta = read_meta(self.ckpt)
         self.config = hf_config_from_dict(self.meta["hf_config"])
         self.family = get_family(self.config)
+        self.variant = self.meta["variant"]
         tp = self.meta["tp"]
         self.dims = model_dims(self.family, self.config, self.meta["make_vocab_size_divisible_by"], tp)
-        rules = self.family.table(self.config, self.meta["lm_head"])
+        rules = self.family.table(self.config, self.variant)
         num_layers = self.family.num_layers(self.config)
         vpp = self.meta.get("vpp") or 1
         self._source: Dict[str, tuple] = {}

@@ -133,19 +133,21 @@ class Accelerator(accelerate.Accelerator):
             raise MegatronPluginConfigError("mixed_precision", "fp16", "fp16 needs CUDA; use 'bf16' or 'no' on CPU")
         hf_model = models[0]
         family = check_model(plugin, hf_model.config)
-        lm_head = hasattr(hf_model, "lm_head")
+        variant = family.variant_of(hf_model)
         step_cls = plugin.custom_train_step_class
         if step_cls is None:
-            if not lm_head:
+            if variant not in family.trainable_variants:
+                trainable = " or ".join(family.classes[v] for v in family.trainable_variants)
                 raise MegatronPluginConfigError(
                     "model", type(hf_model).__name__,
-                    "a base model has no LM head, so the default train step has no loss to train: pass the "
-                    f"LM-head model ({family.lm_head_class}), or set custom_train_step_class to a step that "
-                    "computes your loss from the hidden states",
+                    f"this model has no head the default train step can compute a loss with: pass {trainable}, or "
+                    "set custom_train_step_class to a step that computes your loss from the hidden states",
                 )
-            from train_steps import GPTTrainStep as step_cls
+            import train_steps
+
+            step_cls = getattr(train_steps, family.train_step)
         whole = StagePlan.single(family.num_layers(hf_model.config))
-        trainable_flags(hf_model, optimizers[0], mcore_to_hf_sources(family, hf_model.config, whole, lm_head))
+        trainable_flags(hf_model, optimizers[0], mcore_to_hf_sources(family, hf_model.config, whole, variant))
         if self.project_dir:
             checkpoint.check_writable(self.project_dir, "ProjectConfiguration.project_dir")
 
@@ -154,7 +156,7 @@ class Accelerator(accelerate.Accelerator):
             hf_model, plugin, params_dtype=dtype if (dtype is not None and self.device.type == "cuda") else torch.float32
         )
         for chunk in chunks:
-            sources = mcore_to_hf_sources(chunk.family, chunk.hf_config, chunk.plan, chunk.lm_head)
+            sources = mcore_to_hf_sources(chunk.family, chunk.hf_config, chunk.plan, chunk.variant)
             flags = trainable_flags(hf_model, optimizers[0], sources)
             for name, param in chunk.module.named_parameters():
                 param.requires_grad_(flags[name])
@@ -169,7 +171,7 @@ class Accelerator(accelerate.Accelerator):
             engine = MegatronCoreEngine(chunks, optimizers[0], schedulers[0] if schedulers else None, plugin, step,
                                         layout.device, dtype, compile_kwargs=compile_kwargs)
         else:
-            sources = mcore_to_hf_sources(model.family, model.hf_config, model.plan, model.lm_head)
+            sources = mcore_to_hf_sources(model.family, model.hf_config, model.plan, model.variant)
             inner = rebuild_optimizer(optimizers[0], hf_model, sources, dict(model.module.named_parameters()))
             sched = build_scheduler(schedulers[0], inner, plugin) if schedulers else None
             engine = MegatronEngine(chunks, inner, sched, plugin, step, layout.device, autocast_dtype=dtype)

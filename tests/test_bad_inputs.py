@@ -196,7 +196,7 @@ def _prepare_errors():
 def test_prepare_refuses_before_distributed_work():
     (got,) = run_on_ranks(_prepare_errors, 1)
     expected = {
-        "base_model": ("model", "LM head", "GPT2LMHeadModel"),
+        "base_model": ("model", "no head", "GPT2LMHeadModel"),
         "contradicting_args": ("other_megatron_args['num_layers']", "gives 2"),
         "step_as_instance": ("custom_train_step_class", "subclass"),
         "trainable_not_in_optimizer": ("optimizer", "transformer.h.1.mlp.c_fc.weight", "requires_grad_(False)"),

@@ -54,13 +54,13 @@ def chunk_key(chunk: int, num_chunks: int, name: str) -> str:
     return f"chunk{chunk}.{name}" if num_chunks > 1 else name
 
 
-def checkpoint_meta(*, iteration, tp, pp, dp, vpp, distributed_optimizer, model_only, family, lm_head,
+def checkpoint_meta(*, iteration, tp, pp, dp, vpp, distributed_optimizer, model_only, family, variant,
                     make_vocab_size_divisible_by, hf_config) -> dict:
     """meta.json, the same keys for checkpoints of runs and of checkpoint_utils."""
     return {
         "format": FORMAT, "iteration": iteration, "tp": tp, "pp": pp, "dp": dp, "world_size": tp * pp * dp,
         "vpp": vpp, "distributed_optimizer": distributed_optimizer, "model_only": model_only, "family": family,
-        "lm_head": lm_head, "make_vocab_size_divisible_by": make_vocab_size_divisible_by, "hf_config": hf_config,
+        "variant": variant, "lm_head": variant != "base", "make_vocab_size_divisible_by": make_vocab_size_divisible_by, "hf_config": hf_config,
     }
 
 
@@ -208,7 +208,7 @@ def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer
             distributed_optimizer=distributed_optimizer,
             model_only=False,
             family=engine.model.family.name,
-            lm_head=engine.model.lm_head,
+            variant=engine.model.variant,
             make_vocab_size_divisible_by=engine.plugin.make_vocab_size_divisible_by,
             hf_config=engine.model.hf_config.to_dict(),
         ), files=dict(sorted(files.items()))))
@@ -269,6 +269,8 @@ def read_meta(ckpt: str) -> dict:
     except (OSError, ValueError) as err:
         raise MegatronPluginConfigError("load_state", path, f"cannot read the checkpoint's metadata ({err})") from None
     needed = ("format", "iteration", "tp", "pp", "dp", "hf_config", "family", "lm_head", "make_vocab_size_divisible_by")
+    if isinstance(meta, dict):  # checkpoints written before variants existed say only whether there was an LM head
+        meta.setdefault("variant", "lm" if meta.get("lm_head", True) else "base")
     missing = [k for k in needed if k not in meta] if isinstance(meta, dict) else list(needed)
     if missing or meta.get("format") != FORMAT:
         raise MegatronPluginConfigError(

@@ -26,11 +26,10 @@ def _mcore_state(model: torch.nn.Module) -> Dict[str, torch.Tensor]:
     return {k: v for k, v in model.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
 
 
-def normalize_hf_state_dict(hf_state: Dict[str, torch.Tensor], family: ModelFamily, lm_head: bool):
-    """Name HF tensors as in the LM-head model (a base model's `wte.weight` -> `transformer.wte.weight`)."""
-    if lm_head:
-        return hf_state
-    return {family.base_prefix + k: v for k, v in hf_state.items()}
+def normalize_hf_state_dict(hf_state: Dict[str, torch.Tensor], family: ModelFamily, variant: str):
+    """Name HF tensors as the mapping table does (a base model's `wte.weight` -> `transformer.wte.weight`)."""
+    prefix = family.prefix(variant)
+    return {prefix + k: v for k, v in hf_state.items()} if prefix else hf_state
 
 
 @torch.no_grad()
@@ -43,14 +42,14 @@ def load_hf_into_mcore(
     plan: StagePlan,
     dims: Dims,
     *,
-    lm_head: bool,
+    variant: str,
     tp_size: int,
     tp_rank: int,
 ) -> None:
     """Fill every parameter of `model` (one TP/PP rank) from HF tensors. Raises if any Megatron
     parameter stays unfilled or any HF weight is left unused, so a mapping gap can't pass silently."""
     target = _mcore_state(model)
-    rules = family.table(hf_config, lm_head)
+    rules = family.table(hf_config, variant)
     filled, used = set(), set()
 
     def get_and_track(name):
@@ -69,9 +68,9 @@ def load_hf_into_mcore(
     if missing:
         raise KeyError(f"Megatron tensors not filled from the HF checkpoint: {missing}")
     # Any HF weight the mapping never names (for any stage) would be silently dropped: refuse instead.
-    mapped = family.mapped_hf_names(hf_config, lm_head)
-    tied_head = "lm_head.weight" if family.tied_embeddings(hf_config) else None
-    unused = sorted(n for n in hf_names if n not in mapped and n != tied_head and not _IGNORED_HF.search(n))
+    mapped = family.mapped_hf_names(hf_config, variant)
+    aliases = family.tied_aliases(hf_config, variant)  # tied copies of a mapped tensor
+    unused = sorted(n for n in hf_names if n not in mapped and n not in aliases and not _IGNORED_HF.search(n))
     if unused:
         raise KeyError(f"HF tensors the {family.name} mapping does not use: {unused}")
 
@@ -84,17 +83,17 @@ def gather_hf_state_dict(
     plan: StagePlan,
     dims: Dims,
     *,
-    lm_head: bool,
+    variant: str,
     grads: bool = False,
     group: Optional[dist.ProcessGroup] = None,
 ) -> Dict[str, torch.Tensor]:
     """All-gather this stage's TP shards and return the HF tensors of the stage (names as in the
-    LM-head model; strip `family.base_prefix` for a base model). With `grads`, the same for the
-    parameters' gradients. Call on every rank of the TP group."""
+    mapping table; strip `family.prefix(variant)` for the variant's own names). With `grads`, the same
+    for the parameters' gradients. Call on every rank of the TP group."""
     group = group or parallel_state.get_tensor_model_parallel_group()
     tp = dist.get_world_size(group)
     local = _mcore_state(model)
-    rules = family.table(hf_config, lm_head)
+    rules = family.table(hf_config, variant)
 
     def shards(name, rule):
         mine = (local[name].grad if grads else local[name]).detach().contiguous()
@@ -107,9 +106,9 @@ def gather_hf_state_dict(
     return dict(mcore_to_hf(shards, rules, dims, plan))
 
 
-def mcore_to_hf_sources(family: ModelFamily, hf_config, plan: StagePlan, lm_head: bool) -> Dict[str, tuple]:
+def mcore_to_hf_sources(family: ModelFamily, hf_config, plan: StagePlan, variant: str) -> Dict[str, tuple]:
     """Megatron parameter name -> the HF parameters it is made from (q, k and v for a fused QKV), named
     as in the HF model the user passed (base models without `family.base_prefix`)."""
-    rules = family.table(hf_config, lm_head)
-    strip = 0 if lm_head else len(family.base_prefix)
+    rules = family.table(hf_config, variant)
+    strip = len(family.prefix(variant))
     return {mcore_name: tuple(n[strip:] for n in hf_names) for _, hf_names, mcore_name in expand(rules, plan)}

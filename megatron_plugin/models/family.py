@@ -1,11 +1,22 @@
-"""What the plugin needs to know about one HF model family, as data plus two small functions."""
+"""What the plugin needs to know about one HF model family: data (mapping tables, class names) plus the
+few functions that differ (how to build the Megatron module, how HF inputs reach it).
+
+A family's HF classes come in *variants*: "lm" (the model with its LM head: GPT2LMHeadModel,
+LlamaForCausalLM, T5ForConditionalGeneration), "base" (GPT2Model, LlamaModel, BertModel, T5Model), and
+family-specific ones (BERT's "mlm" and "pretraining"). Mapping tables name tensors as in the richest
+variant; a base model's names lack `base_prefix`.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from .mapping import Dims, Rule, StagePlan, expand
+
+
+def lm_or_base(hf_model) -> str:
+    return "lm" if hasattr(hf_model, "lm_head") else "base"
 
 
 @dataclass(frozen=True)
@@ -14,15 +25,26 @@ class ModelFamily:
     model_types: Tuple[str, ...]  # HF `config.model_type` values
     # HF config -> TransformerConfig fields that describe the architecture
     transformer_config: Callable[[Any], Dict[str, Any]]
-    # HF config -> extra GPTModel constructor arguments (position embeddings, rope base, ...)
+    # HF config -> extra constructor arguments of the Megatron model (position embeddings, ...)
     model_kwargs: Callable[[Any], Dict[str, Any]]
-    # (HF config, tied embeddings?, has LM head?) -> mapping table, names as in the LM-head model
-    rules: Callable[[Any, bool, bool], List[Rule]]
-    base_prefix: str  # prefix of the base model's tensors inside the LM-head model
-    lm_head_class: str  # transformers class names, for writing HF checkpoints back
-    base_class: str
+    # (HF config, tied embeddings?, variant) -> mapping table
+    rules: Callable[[Any, bool, str], List[Rule]]
+    base_prefix: str  # prefix of the tensors the base model names without it
+    classes: Dict[str, str]  # variant -> transformers class name (for writing HF checkpoints back)
     max_positions: Callable[[Any], int]
+    # builds this rank's Megatron module: (family, hf_config, TransformerConfig, plugin, plan, variant,
+    # backend, vp_stage) -> torch.nn.Module; None means the GPT builder (models/gpt.py)
+    build: Optional[Callable[..., Any]] = None
+    # (MegatronModel, **HF inputs) -> HF-like outputs of one stage; None means the causal-LM forward
+    forward: Optional[Callable[..., Any]] = None
+    # HF model -> variant
+    variant_of: Callable[[Any], str] = lm_or_base
+    # the train step `prepare` picks (a name in train_steps) and the variants it can train
+    train_step: str = "GPTTrainStep"
+    trainable_variants: Tuple[str, ...] = ("lm",)
     tied_embeddings: Callable[[Any], bool] = lambda c: bool(getattr(c, "tie_word_embeddings", True))
+    # HF state-dict names that repeat another tensor (tied weights): alias -> the name the table reads
+    tied_aliases: Callable[[Any, str], Dict[str, str]] = field(default=lambda c, v: {})
     # the longest sequence the model can take (learned position embeddings), or None
     position_limit: Callable[[Any], Optional[int]] = lambda c: None
     # rotary positions computed per token from position_ids (layers/rope.py)
@@ -30,17 +52,28 @@ class ModelFamily:
     # the attention window (keys older than it are masked) of every layer, or None
     sliding_window: Callable[[Any], Optional[int]] = lambda c: None
 
-    def table(self, hf_config, lm_head: bool) -> List[Rule]:
-        """The mapping table for this config (tied or not) and model class (with or without LM head)."""
-        return self.rules(hf_config, self.tied_embeddings(hf_config), lm_head)
+    def table(self, hf_config, variant: str) -> List[Rule]:
+        """The mapping table for this config (tied or not) and variant."""
+        return self.rules(hf_config, self.tied_embeddings(hf_config), variant)
+
+    def prefix(self, variant: str) -> str:
+        """What the variant's HF names lack compared with the table's (the base model's missing prefix)."""
+        return self.base_prefix if variant == "base" else ""
+
+    def variant_of_class(self, class_name: Optional[str]) -> str:
+        """The variant of a transformers class name (e.g. from config.architectures); default 'lm'."""
+        for variant, name in self.classes.items():
+            if name == class_name:
+                return variant
+        return "lm" if "lm" in self.classes else next(iter(self.classes))
 
     def num_layers(self, hf_config) -> int:
         return self.transformer_config(hf_config)["num_layers"]
 
-    def mapped_hf_names(self, hf_config, lm_head: bool) -> set:
+    def mapped_hf_names(self, hf_config, variant: str) -> set:
         """Every HF tensor name the table reads, over the whole model."""
         whole = StagePlan.single(self.num_layers(hf_config))
-        return {n for _, names, _ in expand(self.table(hf_config, lm_head), whole) for n in names}
+        return {n for _, names, _ in expand(self.table(hf_config, variant), whole) for n in names}
 
     def dims(self, hf_config, padded_vocab: int) -> Dims:
         tc = self.transformer_config(hf_config)

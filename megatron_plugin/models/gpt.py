@@ -165,10 +165,11 @@ def build_model(
     plugin: MegatronLMPlugin,
     plan: StagePlan,
     *,
-    lm_head: bool = True,
+    variant: str = "lm",
     backend: str = "local",
     vp_stage: Optional[int] = None,
 ) -> MegatronGPT:
+    lm_head = variant == "lm"
     tied = family.tied_embeddings(hf_config) or not lm_head
     device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
     return MegatronGPT(

@@ -47,7 +47,8 @@ def transformer_config(c) -> dict:
     )
 
 
-def rules(c, tied: bool, lm_head: bool) -> list:
+def rules(c, tied: bool, variant: str) -> list:
+    lm_head = variant == "lm"
     layer = "transformer.h.{i}."
     out = "decoder.layers.{i}."
     table = [
@@ -82,8 +83,8 @@ GPT2 = ModelFamily(
     model_kwargs=lambda c: dict(position_embedding_type="learned_absolute"),
     rules=rules,
     base_prefix="transformer.",
-    lm_head_class="GPT2LMHeadModel",
-    base_class="GPT2Model",
+    classes={"lm": "GPT2LMHeadModel", "base": "GPT2Model"},
     max_positions=lambda c: c.n_positions,
+    tied_aliases=lambda c, v: {"lm_head.weight": "transformer.wte.weight"} if v == "lm" and c.tie_word_embeddings else {},
     position_limit=lambda c: c.n_positions,
 )

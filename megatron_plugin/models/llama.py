@@ -97,7 +97,8 @@ def transformer_config(c) -> dict:
     )
 
 
-def rules(c, tied: bool, lm_head: bool) -> list:
+def rules(c, tied: bool, variant: str) -> list:
+    lm_head = variant == "lm"
     layer = "model.layers.{i}."
     out = "decoder.layers.{i}."
     attn = layer + "self_attn."
@@ -147,10 +148,11 @@ def _family(model_type: str) -> ModelFamily:
         model_kwargs=lambda c: dict(position_embedding_type="none"),
         rules=rules,
         base_prefix="model.",
-        lm_head_class=lm_class,
-        base_class=base_class,
+        classes={"lm": lm_class, "base": base_class},
         max_positions=lambda c: c.max_position_embeddings,
         tied_embeddings=lambda c: bool(getattr(c, "tie_word_embeddings", False)),
+        tied_aliases=lambda c, v: {"lm_head.weight": "model.embed_tokens.weight"}
+        if v == "lm" and getattr(c, "tie_word_embeddings", False) else {},
         rotary=True,
         sliding_window=sliding_window,
     )

@@ -21,12 +21,12 @@ from ..layers.spec import default_backend
 class MegatronModel(torch.nn.Module):
     """Holds the Megatron-Core module of this rank and knows how it maps to the HF model."""
 
-    def __init__(self, hf_config, plugin: MegatronLMPlugin, *, lm_head: bool = True,
+    def __init__(self, hf_config, plugin: MegatronLMPlugin, *, variant: str = "lm",
                  params_dtype: torch.dtype = torch.float32, backend: Optional[str] = None,
                  config=None, vp_stage: Optional[int] = None):
         super().__init__()
         layout = current_layout()
-        self.hf_config, self.plugin, self.lm_head = hf_config, plugin, lm_head
+        self.hf_config, self.plugin, self.variant = hf_config, plugin, variant
         self.family = get_family(hf_config)
         # model chunks of one rank (virtual pipeline stages) share one config: mcore's schedules read
         # their hooks from the first chunk's
@@ -37,9 +37,9 @@ class MegatronModel(torch.nn.Module):
         self.plan = StagePlan.for_rank(self.config.num_layers, layout.pp_size, layout.pp_rank, vp_stage or 0, vp_size)
         self.dims = model_dims(self.family, hf_config, plugin.make_vocab_size_divisible_by, layout.tp_size)
         self.backend = default_backend(layout.device.type, backend)
-        self.module = build_model(
-            self.family, hf_config, self.config, plugin, self.plan, lm_head=lm_head, backend=self.backend, vp_stage=vp_stage
-        )
+        build = self.family.build or build_model
+        self.module = build(self.family, hf_config, self.config, plugin, self.plan, variant=variant,
+                            backend=self.backend, vp_stage=vp_stage)
         self._mark_tensor_parallel_params()
         if layout.device.type == "cuda":
             self.module.cuda(layout.device)
@@ -49,17 +49,22 @@ class MegatronModel(torch.nn.Module):
         skip (HF weights are loaded instead). Grad-norm and optimizer code rely on them: set them from
         the mapping table, which knows which tensors are split and along which dimension."""
         params = dict(self.module.named_parameters())
-        rules = self.family.table(self.hf_config, self.lm_head)
+        rules = self.family.table(self.hf_config, self.variant)
         for rule, _, name in expand(rules, self.plan):
             if name in params:
                 params[name].tensor_model_parallel = rule.tp_dim is not None
                 params[name].partition_dim = rule.tp_dim if rule.tp_dim is not None else -1
                 params[name].partition_stride = 1
 
+    @property
+    def lm_head(self) -> bool:
+        """Whether this model predicts tokens (any variant but the base model)."""
+        return self.variant != "base"
+
     @classmethod
     def from_hf(cls, hf_model: torch.nn.Module, plugin: MegatronLMPlugin, **kwargs) -> "MegatronModel":
-        lm_head = hasattr(hf_model, "lm_head")
-        model = cls(hf_model.config, plugin, lm_head=lm_head, **kwargs)
+        variant = get_family(hf_model.config).variant_of(hf_model)
+        model = cls(hf_model.config, plugin, variant=variant, **kwargs)
         model.load_hf_state_dict(hf_model.state_dict())
         return model
 
@@ -73,19 +78,20 @@ class MegatronModel(torch.nn.Module):
                                           device_type=layout.device.type)
         vp = config.virtual_pipeline_model_parallel_size
         state = hf_model.state_dict()
+        variant = family.variant_of(hf_model)
         chunks = []
         for vp_stage in range(vp or 1):
-            chunk = cls(hf_model.config, plugin, lm_head=hasattr(hf_model, "lm_head"), config=config,
+            chunk = cls(hf_model.config, plugin, variant=variant, config=config,
                         vp_stage=vp_stage if vp else None, backend=backend)
             chunk.load_hf_state_dict(state)
             chunks.append(chunk)
         return chunks
 
     def load_hf_state_dict(self, hf_state: Dict[str, torch.Tensor]) -> None:
-        hf_state = normalize_hf_state_dict(hf_state, self.family, self.lm_head)
+        hf_state = normalize_hf_state_dict(hf_state, self.family, self.variant)
         load_hf_into_mcore(
             self.module, hf_state.__getitem__, hf_state.keys(), self.family, self.hf_config, self.plan, self.dims,
-            lm_head=self.lm_head, tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            variant=self.variant, tp_size=parallel_state.get_tensor_model_parallel_world_size(),
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         )
 
@@ -93,13 +99,18 @@ class MegatronModel(torch.nn.Module):
         """This pipeline stage's weights (or their gradients) as full HF tensors, named as in the HF
         model we came from. Collective over the TP group."""
         out = gather_hf_state_dict(
-            self.module, self.family, self.hf_config, self.plan, self.dims, lm_head=self.lm_head, grads=grads
+            self.module, self.family, self.hf_config, self.plan, self.dims, variant=self.variant, grads=grads
         )
-        if not self.lm_head:
-            out = {k[len(self.family.base_prefix):]: v for k, v in out.items()}
-        return out
+        strip = len(self.family.prefix(self.variant))
+        return {k[strip:]: v for k, v in out.items()} if strip else out
 
-    def forward(self, input_ids, attention_mask=None, position_ids=None, labels=None):
+    def forward(self, *args, **kwargs):
+        """One stage's forward with HF inputs (see the family's forward)."""
+        if self.family.forward is not None:
+            return self.family.forward(self, *args, **kwargs)
+        return self.causal_lm_forward(*args, **kwargs)
+
+    def causal_lm_forward(self, input_ids, attention_mask=None, position_ids=None, labels=None):
         """One stage's forward with HF inputs ([b, s] ids and padding mask). With labels (already
         shifted, -100 = ignore) returns per-token losses [b, s]; else logits gathered over TP and cut to
         the true vocabulary (or hidden states for a base model)."""
