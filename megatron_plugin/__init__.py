@@ -21,6 +21,8 @@ _EXPORTS = {
     "MegatronLMDummyScheduler": ".engine.scheduler",
     "AbstractTrainStep": "train_steps",
     "GPTTrainStep": "train_steps",
+    "BertTrainStep": "train_steps",
+    "T5TrainStep": "train_steps",
     "avg_losses_across_data_parallel_group": "train_steps",
     "gather_across_data_parallel_groups": "train_steps",
 }

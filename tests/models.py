@@ -73,3 +73,62 @@ def tiny_llama(name="llama", lm_head=True, seed=0, **overrides):
             if p.dim() == 1:  # norms start at 1, biases at 0: randomize so a mapping slip shows
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
+
+
+# BERT: post-LN `bert` and pre-LN `megatron-bert`, odd vocabulary, tied and untied MLM decoder
+BERT_CONFIGS = {
+    "bert": ("bert", dict(vocab_size=333, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                          max_position_embeddings=32, type_vocab_size=2)),
+    "bert_untied": ("bert", dict(vocab_size=333, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 intermediate_size=128, max_position_embeddings=32, type_vocab_size=2,
+                                 tie_word_embeddings=False, hidden_act="gelu_new")),
+    "megatron_bert": ("megatron-bert", dict(vocab_size=333, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                            intermediate_size=128, max_position_embeddings=32, type_vocab_size=2)),
+}
+BERT_CLASSES = {
+    "bert": {"pretraining": "BertForPreTraining", "mlm": "BertForMaskedLM", "base": "BertModel"},
+    "megatron-bert": {"pretraining": "MegatronBertForPreTraining", "mlm": "MegatronBertForMaskedLM",
+                      "base": "MegatronBertModel"},
+}
+
+
+def tiny_bert(name="bert", variant="mlm", seed=0, **overrides):
+    import transformers
+    from transformers import AutoConfig
+
+    torch.manual_seed(seed)
+    model_type, kwargs = BERT_CONFIGS[name]
+    cfg = AutoConfig.for_model(model_type, **dict(kwargs, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                                                  pad_token_id=0, **overrides))
+    model = getattr(transformers, BERT_CLASSES[model_type][variant])(cfg).float()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()
+
+
+# T5: v1.0 (ReLU, tied head, output scaling) and v1.1 (gated GELU, untied in transformers 4), odd vocabulary,
+# d_kv * heads != d_model, more decoder than encoder layers
+T5_CONFIGS = {
+    "t5_v1_0": dict(vocab_size=333, d_model=64, d_kv=8, d_ff=96, num_layers=2, num_decoder_layers=3, num_heads=4,
+                    feed_forward_proj="relu", tie_word_embeddings=True, relative_attention_num_buckets=8,
+                    relative_attention_max_distance=16),
+    "t5_v1_1": dict(vocab_size=333, d_model=64, d_kv=16, d_ff=96, num_layers=2, num_decoder_layers=2, num_heads=4,
+                    feed_forward_proj="gated-gelu", tie_word_embeddings=False, relative_attention_num_buckets=8,
+                    relative_attention_max_distance=16),
+}
+
+
+def tiny_t5(name="t5_v1_0", lm_head=True, seed=0, **overrides):
+    from transformers import T5Config, T5ForConditionalGeneration, T5Model
+
+    torch.manual_seed(seed)
+    cfg = T5Config(**dict(T5_CONFIGS[name], dropout_rate=0.0, pad_token_id=0, eos_token_id=1,
+                          decoder_start_token_id=0, **overrides))
+    model = (T5ForConditionalGeneration if lm_head else T5Model)(cfg).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(torch.randn_like(p) * 0.1)
+    return model.eval()

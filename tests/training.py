@@ -4,7 +4,7 @@ megatron_plugin.Accelerator, and as plain HF + torch (the reference)."""
 import torch
 from torch.utils.data import DataLoader
 
-from tests.models import GPT2_CONFIGS, tiny_gpt2, tiny_llama
+from tests.models import GPT2_CONFIGS, T5_CONFIGS, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 
 SEQ = 16
 LR = 3e-3
@@ -40,12 +40,66 @@ def sft_dataset(n, vocab, seed=3):
     return out
 
 
+def mlm_dataset(n, vocab, nsp=False, seed=4):
+    """BERT batches: 15% of the tokens masked ([MASK] = 4) with their labels, the rest -100; padding at
+    the end of some rows; two segments; a next-sentence label when `nsp`."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        # repeating patterns, so the masked tokens can be recovered from context and the loss falls
+        period = int(torch.randint(2, 5, (1,), generator=g))
+        base = torch.randint(5, 5 + 30, (period,), generator=g)
+        ids = base.repeat(SEQ // period + 1)[:SEQ].clone()
+        length = int(torch.randint(SEQ - 5, SEQ + 1, (1,), generator=g))
+        mask = (torch.arange(SEQ) < length).long()
+        chosen = (torch.rand(SEQ, generator=g) < 0.15) & (mask == 1)
+        chosen[0] = True
+        labels = ids.masked_fill(~chosen, -100)
+        ids = ids.masked_fill(chosen, 4).masked_fill(mask == 0, 0)
+        row = {"input_ids": ids, "attention_mask": mask, "labels": labels,
+               "token_type_ids": (torch.arange(SEQ) >= SEQ // 2).long() * mask}
+        if nsp:
+            row["next_sentence_label"] = torch.randint(0, 2, (), generator=g)
+        out.append(row)
+    return out
+
+
+def seq2seq_dataset(n, vocab, seed=5):
+    """T5 batches: the target copies the first tokens of the (padded) input, then eos (1); shorter targets
+    are padded with -100 and a decoder attention mask."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(2, 40, (SEQ,), generator=g)
+        length = int(torch.randint(SEQ - 4, SEQ + 1, (1,), generator=g))
+        mask = (torch.arange(SEQ) < length).long()
+        ids = ids.masked_fill(mask == 0, 0)
+        t = int(torch.randint(5, 9, (1,), generator=g))
+        labels = torch.full((8,), -100)
+        labels[:t] = torch.cat([ids[: t - 1], torch.tensor([1])])
+        out.append({"input_ids": ids, "attention_mask": mask, "labels": labels,
+                    "decoder_attention_mask": (labels != -100).long()})
+    return out
+
+
 def build(model):
-    """A tiny HF model by name: a GPT-2 config of tests.models.GPT2_CONFIGS or a Llama-family one."""
+    """A tiny HF model by name: a GPT-2 config of tests.models.GPT2_CONFIGS, a Llama-family one, or
+    'bert:<variant>' / 'megatron_bert:<variant>'."""
+    if ":" in model:
+        name, variant = model.split(":")
+        return tiny_bert(name, variant)
+    if model in T5_CONFIGS:
+        return tiny_t5(model)
     return tiny_gpt2(model) if model in GPT2_CONFIGS else tiny_llama(model)
 
 
 def dataset(data, n, vocab):
+    if data == "mlm":
+        return mlm_dataset(n, vocab)
+    if data == "mlm_nsp":
+        return mlm_dataset(n, vocab, nsp=True)
+    if data == "seq2seq":
+        return seq2seq_dataset(n, vocab)
     return token_dataset(n, vocab) if data == "lm" else sft_dataset(n, vocab)
 
 
@@ -55,7 +109,7 @@ def optimizer_for(model, weight_decay=0.1, trainable_only=False):
     if trainable_only:
         return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LR, betas=(0.9, 0.95),
                                  eps=1e-8, weight_decay=0.0)
-    no_decay = ("bias", "ln_", "ln_f", "norm")
+    no_decay = ("bias", "ln_", "ln_f", "norm", "LayerNorm", ".ln.", "layer_norm")
     decay = [p for n, p in model.named_parameters() if not any(k in n for k in no_decay)]
     rest = [p for n, p in model.named_parameters() if any(k in n for k in no_decay)]
     return torch.optim.AdamW(

@@ -5,12 +5,16 @@ The API is accelerate's (`AbstractTrainStep`, `GPTTrainStep`, `get_batch_func`, 
 """
 
 from .base import AbstractTrainStep
+from .bert import BertTrainStep
 from .gpt import GPTTrainStep
+from .t5 import T5TrainStep
 from .utils import avg_losses_across_data_parallel_group, gather_across_data_parallel_groups
 
 __all__ = [
     "AbstractTrainStep",
+    "BertTrainStep",
     "GPTTrainStep",
+    "T5TrainStep",
     "avg_losses_across_data_parallel_group",
     "gather_across_data_parallel_groups",
 ]

@@ -33,6 +33,9 @@ def megatron_args(plugin, model: MegatronModel, micro_batch_size: int, dp_size: 
     args.global_batch_size = micro_batch_size * plugin.num_micro_batches * dp_size
     args.data_parallel_size = dp_size
     args.padded_vocab_size = model.dims.padded_vocab
+    args.model_variant = model.variant
+    args.decoder_start_token_id = getattr(model.hf_config, "decoder_start_token_id", None)
+    args.pad_token_id = getattr(model.hf_config, "pad_token_id", None)
     args.vocab_size = model.hf_config.vocab_size
     args.eod_token = getattr(model.hf_config, "eos_token_id", None)
     args.seq_length = plugin.seq_length or model.family.max_positions(model.hf_config)
@@ -117,6 +120,9 @@ class MegatronEngine(torch.nn.Module):
         limit = self.model.family.position_limit(cfg)
         local = torch.zeros(4, dtype=torch.int64, device=self.device)
         ids_bad = (ids.min() < 0) | (ids.max() >= vocab)
+        decoder_ids = batch.get("decoder_input_ids")
+        if torch.is_tensor(decoder_ids):
+            ids_bad = ids_bad | (decoder_ids.min() < 0) | (decoder_ids.max() >= vocab)
         local[0] = ids_bad.to(self.device)
         if torch.is_tensor(labels):
             labels = labels.to(self.device)

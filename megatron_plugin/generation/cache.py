@@ -17,7 +17,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..layers.masks import attention_mask_4d
+from ..layers.masks import attention_mask_4d, causal_mask
 
 
 class DecodeState:
@@ -68,11 +68,10 @@ class LayerCache:
         self.v[:, :, off:off + s] = v
         keys, values = self.k[:, :, :off + s], self.v[:, :, :off + s]
         masked = attention_mask_4d(None, s, window=st.window, past=off, device=q.device)
-        if bias is not None:
-            attn = bias if masked is None else bias.masked_fill(masked, float("-inf"))
+        if bias is not None:  # no is_causal next to a bias: the causal part goes into it
             if masked is None and s > 1:
-                causal = attention_mask_4d(None, s, past=off, device=q.device)
-                attn = attn if causal is None else attn.masked_fill(causal, float("-inf"))
+                masked = causal_mask(s, off + s, q.device)
+            attn = bias if masked is None else bias.masked_fill(masked, float("-inf"))
             return F.scaled_dot_product_attention(q, keys, values, attn_mask=attn, scale=scale, enable_gqa=gqa)
         return F.scaled_dot_product_attention(
             q, keys, values, attn_mask=None if masked is None else ~masked,

@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from .comm import all_gather_last_dim
+from .masks import causal_mask
 
 
 def _rng_context(config: TransformerConfig, dropout_p: float):
@@ -86,9 +87,14 @@ class SDPAttention(MegatronModule):
         attn_mask = None
         is_causal = False
         if attention_bias is not None:
+            # a bias (T5's relative positions) leaves no room for SDPA's is_causal: the causal part of a
+            # decoder's mask goes into the bias too
             attn_mask = attention_bias.to(q.dtype)
-            if attention_mask is not None:
-                attn_mask = attn_mask.masked_fill(attention_mask, float("-inf"))
+            masked = attention_mask
+            if masked is None and mask_type == AttnMaskType.causal:
+                masked = causal_mask(sq, key.shape[0], q.device)
+            if masked is not None:
+                attn_mask = attn_mask.masked_fill(masked, float("-inf"))
         elif attention_mask is not None:
             attn_mask = ~attention_mask
         else:

@@ -57,3 +57,27 @@ def all_gather_last_dim(x: torch.Tensor, group=None) -> torch.Tensor:
     if dist.get_world_size(group) == 1:
         return x
     return _AllGatherLastDim.apply(x, group)
+
+
+class _ScatterDim(torch.autograd.Function):
+    """This rank's slice of a tensor every TP rank holds whole; the backward gathers the slices' grads."""
+
+    @staticmethod
+    def forward(ctx, x, dim, group):
+        ctx.dim, ctx.group = dim, group
+        size, rank = dist.get_world_size(group), dist.get_rank(group)
+        return x.chunk(size, dim=dim)[rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        parts = [torch.empty_like(grad) for _ in range(dist.get_world_size(ctx.group))]
+        dist.all_gather(parts, grad.contiguous(), group=ctx.group)
+        return torch.cat(parts, dim=ctx.dim), None, None
+
+
+def scatter_to_tensor_parallel_dim(x: torch.Tensor, dim: int, group=None) -> torch.Tensor:
+    """This TP rank's part of `x` along `dim` (e.g. its attention heads of a position bias), on any device."""
+    group = group or parallel_state.get_tensor_model_parallel_group()
+    if dist.get_world_size(group) == 1:
+        return x
+    return _ScatterDim.apply(x, dim, group)

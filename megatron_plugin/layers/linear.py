@@ -61,3 +61,21 @@ class RowParallelLinear(_McoreRowParallelLinear):
             kwargs["tp_group"] = self.tp_group
         input, weight = _cast_for_cpu_autocast(input, weight, kwargs)
         return super()._forward_impl(input, weight, *args, **kwargs)
+
+
+class DropoutInputRowParallelLinear(RowParallelLinear):
+    """A RowParallelLinear that drops out its input: T5's MLP applies dropout between the activation and
+    `wo`, which mcore's MLP has no slot for. The input is split over TP ranks, so on CUDA the mask is
+    drawn from the model-parallel RNG stream."""
+
+    def forward(self, input_, *args, **kwargs):
+        p = self.config.hidden_dropout
+        if self.training and p > 0:
+            from megatron.core import tensor_parallel
+
+            if input_.is_cuda and tensor_parallel.get_cuda_rng_tracker().is_initialized():
+                with tensor_parallel.get_cuda_rng_tracker().fork():
+                    input_ = torch.nn.functional.dropout(input_, p, True)
+            else:
+                input_ = torch.nn.functional.dropout(input_, p, True)
+        return super().forward(input_, *args, **kwargs)

@@ -10,6 +10,11 @@ from typing import Optional
 import torch
 
 
+def causal_mask(queries: int, keys: int, device=None) -> torch.Tensor:
+    """[queries, keys], True = masked: the queries are the last `queries` of `keys` positions."""
+    return ~torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
+
+
 def packed_sequence_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     """HF's rule (transformers.masking_utils.find_packed_sequence_indices): where position ids do not
     step by one a new sequence starts. [b, s] -> sequence index per token, or None if nothing is packed."""

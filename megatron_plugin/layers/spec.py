@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from megatron.core.transformer.attention import SelfAttentionSubmodules
+from megatron.core.transformer.attention import CrossAttention, CrossAttentionSubmodules, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
@@ -19,19 +19,42 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 
 from ..errors import MegatronPluginConfigError
 from .attention import SDPAttention, SelfAttention
-from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear import ColumnParallelLinear, DropoutInputRowParallelLinear, RowParallelLinear
 from .norm import Norm
+from .post_ln import PostLNTransformerLayer
 
 
-def local_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
-    """Megatron-Core's local layer with our SDPA core attention and SP-capable norms."""
+def local_layer_spec(qk_layernorm: bool = False, causal: bool = True, post_ln: bool = False,
+                     cross_attention: bool = False, mlp_dropout: bool = False) -> ModuleSpec:
+    """Megatron-Core's local layer with our SDPA core attention and SP-capable norms.
+
+    causal: decoder self-attention (else bidirectional, padding masks only: BERT, T5's encoder).
+    post_ln: norms after the residual adds (HF `bert`), in our PostLNTransformerLayer.
+    cross_attention: a cross-attention block between self-attention and MLP (T5's decoder).
+    mlp_dropout: dropout between the MLP's activation and its second linear (T5).
+    """
+    pre_norm = IdentityOp if post_ln else Norm
+    extra = {}
+    if cross_attention:
+        extra = dict(
+            pre_cross_attn_layernorm=Norm,
+            cross_attention=ModuleSpec(
+                module=CrossAttention,
+                params={"attn_mask_type": AttnMaskType.padding},
+                submodules=CrossAttentionSubmodules(
+                    linear_q=ColumnParallelLinear, linear_kv=ColumnParallelLinear,
+                    core_attention=SDPAttention, linear_proj=RowParallelLinear,
+                ),
+            ),
+            cross_attn_bda=get_bias_dropout_add,
+        )
     return ModuleSpec(
-        module=TransformerLayer,
+        module=PostLNTransformerLayer if post_ln else TransformerLayer,
         submodules=TransformerLayerSubmodules(
-            input_layernorm=Norm,
+            input_layernorm=pre_norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
-                params={"attn_mask_type": AttnMaskType.causal},
+                params={"attn_mask_type": AttnMaskType.causal if causal else AttnMaskType.padding},
                 submodules=SelfAttentionSubmodules(
                     linear_qkv=ColumnParallelLinear,
                     core_attention=SDPAttention,
@@ -41,21 +64,24 @@ def local_layer_spec(qk_layernorm: bool = False) -> ModuleSpec:
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=Norm,
+            **extra,
+            pre_mlp_layernorm=pre_norm,
             mlp=ModuleSpec(
                 module=MLP,
-                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                         linear_fc2=DropoutInputRowParallelLinear if mlp_dropout else RowParallelLinear),
             ),
             mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
-def block_spec(config: TransformerConfig, num_local_layers: int, backend: str = "local") -> TransformerBlockSubmodules:
-    """The decoder block: `num_local_layers` layers of the chosen backend and a final norm.
+def block_spec(config: TransformerConfig, num_local_layers: int, backend: str = "local", *, causal: bool = True,
+               post_ln: bool = False, cross_attention: bool = False, mlp_dropout: bool = False) -> TransformerBlockSubmodules:
+    """A block: `num_local_layers` layers of the chosen backend and a final norm (none after post-LN layers).
 
     Passing the block (not just the layer) keeps mcore from choosing its own final norm, which would be
-    apex's or `WrappedTorchNorm` (no sequence parallelism).
+    apex's or `WrappedTorchNorm` (no sequence parallelism); mcore's T5 block specs drop it without TE.
     """
     if backend != "local":
         # TE's layers fuse the norms into the linears (other parameter names); the HF mapping tables
@@ -63,7 +89,9 @@ def block_spec(config: TransformerConfig, num_local_layers: int, backend: str = 
         raise MegatronPluginConfigError(
             "backend", backend, "only the 'local' spec (Megatron-Core layers + SDPA attention) is supported so far"
         )
-    return TransformerBlockSubmodules(layer_specs=[local_layer_spec(config.qk_layernorm)] * num_local_layers, layer_norm=Norm)
+    layer = local_layer_spec(config.qk_layernorm, causal=causal, post_ln=post_ln, cross_attention=cross_attention,
+                             mlp_dropout=mlp_dropout)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=None if post_ln else Norm)
 
 
 def default_backend(device_type: str, requested: Optional[str] = None) -> str:

@@ -2,10 +2,12 @@
 
 from ..errors import MegatronPluginConfigError
 from .family import ModelFamily
+from .bert import BERT, MEGATRON_BERT
 from .gpt2 import GPT2
 from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
+from .t5 import MT5, T5
 
-FAMILIES = {t: fam for fam in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3) for t in fam.model_types}
+FAMILIES = {t: fam for fam in (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3, BERT, MEGATRON_BERT, T5, MT5) for t in fam.model_types}
 
 
 def get_family(hf_config) -> ModelFamily:
@@ -39,6 +41,8 @@ def check_model(plugin, hf_config) -> ModelFamily:
         raise MegatronPluginConfigError(
             "tp_degree", tp, f"the model's MLP width {ffn} must split evenly over TP ranks: use a divisor of {ffn}"
         )
+    if family.pipeline_note and plugin.pp_degree > 1:
+        raise MegatronPluginConfigError("pp_degree", plugin.pp_degree, f"{family.name}: {family.pipeline_note}")
     plugin.validate(num_layers=tc["num_layers"])
     from .gpt import transformer_config_overrides
 

@@ -29,7 +29,7 @@ class ModelFamily:
     model_kwargs: Callable[[Any], Dict[str, Any]]
     # (HF config, tied embeddings?, variant) -> mapping table
     rules: Callable[[Any, bool, str], List[Rule]]
-    base_prefix: str  # prefix of the tensors the base model names without it
+    base_prefix: str  # prefix of the tensors the base models (`base_variants`) name without it
     classes: Dict[str, str]  # variant -> transformers class name (for writing HF checkpoints back)
     max_positions: Callable[[Any], int]
     # builds this rank's Megatron module: (family, hf_config, TransformerConfig, plugin, plan, variant,
@@ -51,6 +51,9 @@ class ModelFamily:
     rotary: bool = False
     # the attention window (keys older than it are masked) of every layer, or None
     sliding_window: Callable[[Any], Optional[int]] = lambda c: None
+    base_variants: Tuple[str, ...] = ("base",)
+    # why pipeline parallelism is refused for this family, or None when it is supported
+    pipeline_note: Optional[str] = None
 
     def table(self, hf_config, variant: str) -> List[Rule]:
         """The mapping table for this config (tied or not) and variant."""
@@ -58,7 +61,7 @@ class ModelFamily:
 
     def prefix(self, variant: str) -> str:
         """What the variant's HF names lack compared with the table's (the base model's missing prefix)."""
-        return self.base_prefix if variant == "base" else ""
+        return self.base_prefix if variant in self.base_variants else ""
 
     def variant_of_class(self, class_name: Optional[str]) -> str:
         """The variant of a transformers class name (e.g. from config.architectures); default 'lm'."""

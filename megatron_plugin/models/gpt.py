@@ -11,9 +11,8 @@ from megatron.core.models.gpt import GPTModel
 from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from ..layers.cross_entropy import vocab_parallel_cross_entropy
 from ..errors import MegatronPluginConfigError
-from ..layers.linear import ColumnParallelLinear
+from .common import HFParityMixin, use_our_output_layer
 from ..layers.masks import add_window
 from ..layers.rope import RotaryEmbedding
 from ..plugin import MegatronLMPlugin
@@ -28,7 +27,7 @@ def padded_vocab_size(vocab: int, divisible_by: int, tp: int) -> int:
     return -(-vocab // multiple) * multiple
 
 
-class MegatronGPT(GPTModel):
+class MegatronGPT(HFParityMixin, GPTModel):
     """GPTModel that (1) keeps padded vocabulary rows out of the softmax (`cross_entropy.py`), so the
     loss equals HF's, (2) can stop at the final norm, for HF base models (`GPT2Model`) that have no
     LM head, and (3) takes rotary positions per token from `position_ids` and an attention window, as
@@ -43,20 +42,7 @@ class MegatronGPT(GPTModel):
         self.sliding_window = sliding_window
         self.last_position_logits = False  # generation needs the next-token logits only
         if self.post_process:
-            # GPTModel builds its output layer outside the layer spec; ours adds only a method (CPU autocast)
-            self.output_layer.__class__ = ColumnParallelLinear
-
-    def setup_embeddings_and_output_layer(self):
-        # With tied embeddings split over pipeline stages, mcore fills the last stage's copy from the first
-        # stage through CUDA (`weight.data.cuda()` + all-reduce). The HF weights fill both copies at load,
-        # so on CPU that copy is skipped; the attributes mcore sets on the weights are kept.
-        if torch.cuda.is_available():
-            return super().setup_embeddings_and_output_layer()
-        self._is_in_embd_group = lambda: False
-        try:
-            return super().setup_embeddings_and_output_layer()
-        finally:
-            del self._is_in_embd_group
+            use_our_output_layer(self.output_layer)
 
     def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
         attention_mask = add_window(attention_mask, position_ids.shape[1], self.sliding_window, position_ids.device)
@@ -67,11 +53,6 @@ class MegatronGPT(GPTModel):
         if self.rotary is None:
             return out
         return (out[0], self.rotary(position_ids), *out[2:])
-
-    def compute_language_model_loss(self, labels, logits):
-        """Per-token loss [b, s] from labels [b, s] and logits [s, b, local vocab]."""
-        loss = vocab_parallel_cross_entropy(logits, labels.transpose(0, 1), self.true_vocab_size)
-        return loss.transpose(0, 1).contiguous()
 
     def _postprocess(self, hidden_states, **kwargs):
         if self.post_process and self.last_position_logits:

@@ -54,6 +54,20 @@ def _qkv_to_hf(t: torch.Tensor, d: Dims) -> List[torch.Tensor]:
     return [x.reshape(-1, *rest).contiguous() for x in (q, k, v)]
 
 
+def _kv_to_mcore(k: torch.Tensor, v: torch.Tensor, d: Dims) -> torch.Tensor:
+    # Megatron's cross-attention linear_kv rows are [k, v] per head, so a TP split keeps whole heads.
+    rest = k.shape[1:]
+    k = k.reshape(d.heads, d.head_dim, *rest)
+    v = v.reshape(d.heads, d.head_dim, *rest)
+    return torch.cat([k, v], dim=1).reshape(-1, *rest).contiguous()
+
+
+def _kv_to_hf(t: torch.Tensor, d: Dims) -> List[torch.Tensor]:
+    rest = t.shape[1:]
+    k, v = torch.split(t.reshape(d.heads, 2 * d.head_dim, *rest), [d.head_dim, d.head_dim], dim=1)
+    return [x.reshape(-1, *rest).contiguous() for x in (k, v)]
+
+
 def _pad_vocab(t: torch.Tensor, d: Dims) -> torch.Tensor:
     pad = t.new_zeros((d.padded_vocab - t.shape[0], *t.shape[1:]))
     return torch.cat([t, pad], dim=0)
@@ -75,6 +89,8 @@ TRANSFORMS: Dict[str, Transform] = {
     ),
     # Llama-style separate q/k/v projections (weights or biases).
     "qkv_split": Transform(lambda ts, d: _qkv_to_mcore(*ts, d), _qkv_to_hf),
+    # separate k/v projections of a cross-attention -> Megatron's fused linear_kv
+    "kv_split": Transform(lambda ts, d: _kv_to_mcore(*ts, d), _kv_to_hf),
     # Llama-style gate/up projections -> Megatron's fused fc1 of a gated MLP, split per TP rank below.
     "gate_up": Transform(lambda ts, d: torch.cat(ts, dim=0), lambda t, d: list(torch.chunk(t, 2, dim=0))),
 }
@@ -86,8 +102,9 @@ class Rule:
 
     `hf` names may hold `{i}` (a global layer index; `mcore` then uses the stage-local index).
     `tp_dim` is the Megatron dimension split over TP ranks (None: replicated).
-    `stage` is 'layer', 'first' (embeddings), 'last' (final norm, output layer) or 'tied_output' (the
-    last stage's copy of tied embeddings when it is not also the first stage: loaded, never exported).
+    `stage` is 'layer', 'first' (embeddings), 'last' (final norm, output layer), 'tied_output' (the
+    last stage's copy of tied embeddings when it is not also the first stage: loaded, never exported)
+    or 'whole' (a model that is not split over pipeline stages: T5).
     `tp_interleave`: the tensor is a concatenation of this many equal parts, each split over TP on its
     own (Megatron's fused gate/up fc1 of a gated MLP).
     """
@@ -104,7 +121,7 @@ class Rule:
             object.__setattr__(self, "hf", (self.hf,))
         if self.transform not in TRANSFORMS:
             raise KeyError(f"unknown transform {self.transform!r}")
-        if self.stage not in ("layer", "first", "last", "tied_output"):
+        if self.stage not in ("layer", "first", "last", "tied_output", "whole"):
             raise ValueError(f"stage={self.stage!r}")
 
 
@@ -141,6 +158,7 @@ def expand(rules: Iterable[Rule], plan: StagePlan) -> Iterator[Tuple[Rule, Tuple
             (rule.stage == "first" and plan.first)
             or (rule.stage == "last" and plan.last)
             or (rule.stage == "tied_output" and plan.last and not plan.first)
+            or (rule.stage == "whole" and plan.first and plan.last)
         ):
             yield rule, rule.hf, rule.mcore
 

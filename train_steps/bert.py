@@ -1,0 +1,92 @@
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from transformers.modeling_outputs import MaskedLMOutput
+
+from .base import AbstractTrainStep
+from .gpt import IGNORE_INDEX, unwrap_model
+from .utils import avg_losses_across_data_parallel_group
+
+
+class BertTrainStep(AbstractTrainStep):
+    """BERT step on HF batches: `input_ids`, `attention_mask`, `token_type_ids` (zeros when absent),
+    MLM `labels` (-100 = no loss) and, for a model with a binary head (…ForPreTraining), an optional
+    `next_sentence_label`. Loss = MLM loss (mean over labelled tokens) + NSP/sentence-order loss, as in
+    HF's BertForPreTraining; logs 'lm loss' and 'sop loss'."""
+
+    model_output_class = MaskedLMOutput
+
+    def __init__(self, megatron_args, **kwargs):
+        super().__init__("BertTrainStep")
+        self.megatron_args = megatron_args
+        self.binary_head = getattr(megatron_args, "model_variant", "mlm") == "pretraining"
+        self.return_logits = getattr(megatron_args, "return_logits", False)
+        self.get_batch = self.get_batch_func()
+        self.loss_func = self.get_loss_func()
+        self.forward_step = self.get_forward_step_func()
+
+    def count_loss_tokens(self, batch):
+        labels = batch.get("labels")
+        count = (labels != IGNORE_INDEX).sum() if labels is not None else torch.zeros((), dtype=torch.long)
+        if batch.get("next_sentence_label") is not None and self.binary_head:
+            count = count + batch["next_sentence_label"].numel()
+        return count
+
+    def get_batch_func(self, *args, **kwargs):
+        def get_batch(data_iterator):
+            """-> tokens, token types, sentence order (or None), loss mask, labels (0 where ignored), padding mask"""
+            from megatron_plugin.errors import MegatronPluginConfigError
+
+            data = next(data_iterator)
+            tokens = data["input_ids"].long()
+            types = data.get("token_type_ids")
+            labels = data.get("labels")
+            labels = torch.full_like(tokens, IGNORE_INDEX) if labels is None else labels.long()
+            sentence_order = data.get("next_sentence_label")
+            if sentence_order is not None and not self.binary_head:
+                raise MegatronPluginConfigError(
+                    "next_sentence_label", "in the batch",
+                    "the model has no binary (next-sentence) head: train a ...ForPreTraining model, or drop the key",
+                )
+            mask = data.get("attention_mask")
+            padding = None if mask is None or bool(mask.all()) else ~mask.bool()[:, None, None, :]
+            loss_mask = (labels != IGNORE_INDEX).float()
+            return tokens, types, sentence_order, loss_mask, labels.clamp_min(0), padding
+
+        return get_batch
+
+    def get_loss_func(self, *args, **kwargs):
+        def loss_func(loss_mask, sentence_order, output_tensor):
+            lm_losses, binary_logits = output_tensor[:2]
+            count = loss_mask.sum()
+            lm_loss = (lm_losses.float() * loss_mask).sum() / count.clamp_min(1.0)
+            loss = lm_loss
+            logs = {}
+            if sentence_order is not None and binary_logits is not None:
+                sop_loss = F.cross_entropy(binary_logits.float(), sentence_order.view(-1).long())
+                loss = loss + sop_loss
+                lm_avg, sop_avg = avg_losses_across_data_parallel_group([lm_loss, sop_loss])
+                logs = {"lm loss": lm_avg, "sop loss": sop_avg}
+            else:
+                logs = {"lm loss": avg_losses_across_data_parallel_group([lm_loss])[0]}
+            if len(output_tensor) > 2:
+                logs["logits"] = output_tensor[2]
+            return loss, logs
+
+        return loss_func
+
+    def get_forward_step_func(self):
+        def forward_step(data_iterator, model):
+            tokens, types, sentence_order, loss_mask, labels, padding = self.get_batch(data_iterator)
+            bert = unwrap_model(model)
+            if not bert.post_process:  # an earlier pipeline stage
+                return model(tokens, padding, tokentype_ids=types), partial(self.loss_func, loss_mask, sentence_order)
+            if self.return_logits and not model.training:
+                logits, binary = model(tokens, padding, tokentype_ids=types)
+                losses = bert.compute_language_model_loss(labels, logits.transpose(0, 1).contiguous())
+                return (losses, binary, logits), partial(self.loss_func, loss_mask, sentence_order)
+            output = model(tokens, padding, tokentype_ids=types, lm_labels=labels)
+            return output, partial(self.loss_func, loss_mask, sentence_order)
+
+        return forward_step
