@@ -274,6 +274,60 @@ def generate(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
         module.train(was_training)
 
 
+def _choose(logits, settings: Settings, top_p: float, generator):
+    """The next token of every row (the same on every TP rank), and top_p after its decay."""
+    if settings.greedy:
+        nxt = logits.argmax(-1)
+    else:
+        scaled = _filter(logits / settings.temperature, settings.top_k, top_p)
+        nxt = torch.multinomial(scaled.softmax(-1), 1, generator=generator).squeeze(-1)
+        if top_p and settings.top_p_decay:
+            top_p = max(top_p * settings.top_p_decay, settings.top_p_bound)
+    return _agree(nxt), top_p
+
+
+def _seq2seq_generate(model, input_ids, attention_mask, settings: Settings, device, generator):
+    """Encoder-decoder models (T5): the encoder runs once; the decoder starts from the model's
+    decoder_start_token_id and decodes one token per step with its self-attention cached (cross-attention
+    keeps the encoder's keys and values). Returns HF's layout: [batch, 1 + new tokens], start token first."""
+    module, cfg = model.module, model.hf_config
+    ids = input_ids.to(device).long()
+    enc_mask = None
+    if attention_mask is not None and not bool(attention_mask.all()):
+        enc_mask = ~attention_mask.to(device).bool()[:, None, None, :]
+    b, total = ids.shape[0], 1 + settings.max_new_tokens
+    out = torch.full((b, total), settings.pad_token, dtype=torch.long, device=device)
+    out[:, 0] = cfg.decoder_start_token_id
+    if settings.max_new_tokens == 0:
+        return out
+    state = DecodeState(max_len=total, device=device)
+    state.cross_mask = None if enc_mask is None else ~enc_mask
+    stops = torch.tensor(settings.stop_tokens, dtype=torch.long, device=device)
+    was_training = module.training
+    module.eval()
+    module.last_position_logits = True
+    try:
+        encoded = module.encode(ids, enc_mask)
+        done = torch.zeros(b, dtype=torch.bool, device=device)
+        top_p = settings.top_p
+        with kv_cache([module.decoder], state):
+            for pos in range(1, total):
+                state.offset = module.decoder_past = pos - 1
+                local = module(None, out[:, pos - 1:pos], None, None, enc_mask, encoder_hidden_states=encoded)
+                logits = gather_tensor_parallel_last_dim(local[:, -1].float())[:, : cfg.vocab_size]
+                nxt, top_p = _choose(logits, settings, top_p, generator)
+                out[:, pos] = torch.where(done, out[:, pos], nxt)
+                if stops.numel():
+                    done |= torch.isin(nxt, stops)
+                    if bool(done.all()):
+                        return out[:, : pos + 1]
+        return out
+    finally:
+        module.decoder_past = 0
+        module.last_position_logits = False
+        module.train(was_training)
+
+
 def _sample_loop(decoder, step, state, out, lengths, settings: Settings, generator):
     b = out.shape[0]
     start = int(lengths.min())
@@ -284,14 +338,7 @@ def _sample_loop(decoder, step, state, out, lengths, settings: Settings, generat
     stops = torch.tensor(settings.stop_tokens, dtype=torch.long, device=out.device)
     top_p = settings.top_p
     for pos in range(start, out.shape[1]):
-        if settings.greedy:
-            nxt = logits.argmax(-1)
-        else:
-            scaled = _filter(logits / settings.temperature, settings.top_k, top_p)
-            nxt = torch.multinomial(scaled.softmax(-1), 1, generator=generator).squeeze(-1)
-            if top_p and settings.top_p_decay:
-                top_p = max(top_p * settings.top_p_decay, settings.top_p_bound)
-        nxt = _agree(nxt)
+        nxt, top_p = _choose(logits, settings, top_p, generator)
         writing = (pos >= lengths) & ~done  # rows still inside their prompt keep the prompt token
         out[:, pos] = torch.where(writing, nxt, out[:, pos])
         if stops.numel():
@@ -414,7 +461,14 @@ def megatron_generate(model, inputs: torch.Tensor, attention_mask: Optional[torc
         if not isinstance(bos, int):
             raise MegatronPluginConfigError("add_BOS", True, "the model's config has no bos_token_id: set it, or add the token yourself")
     tokens, lengths = right_padded(inputs, attention_mask)
-    prompt_len = int(lengths.max()) + int(add_BOS)
+    seq2seq = hasattr(stage.module, "encode")
+    if seq2seq and (num_beams or 1) > 1:
+        raise MegatronPluginConfigError("num_beams", num_beams, f"beam search is not implemented for {stage.family.name} "
+                                        "yet: use greedy decoding or sampling")
+    if seq2seq and add_BOS:
+        raise MegatronPluginConfigError("add_BOS", True, f"{stage.family.name} decodes from its decoder_start_token_id")
+    # an encoder-decoder's max_length counts the decoder's tokens, its start token included (as in HF)
+    prompt_len = 1 if seq2seq else int(lengths.max()) + int(add_BOS)
     settings = check_settings(
         cfg, prompt_len, tokens.shape[0], cfg.vocab_size, stage.family.position_limit(cfg), max_length=max_length,
         max_new_tokens=max_new_tokens, num_beams=num_beams, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -426,6 +480,11 @@ def megatron_generate(model, inputs: torch.Tensor, attention_mask: Optional[torc
         raise MegatronPluginConfigError("inputs", f"ids in [{int(real.min())}, {int(real.max())}]",
                                         f"token ids must be in [0, {cfg.vocab_size}): use the model's tokenizer")
     device = engine.device if engine is not None else next(stage.parameters()).device
+    if seq2seq:
+        if cuda_graphs:
+            raise MegatronPluginConfigError("cuda_graphs", True, f"{stage.family.name} decodes eagerly: drop cuda_graphs")
+        generator = torch.Generator(device=device).manual_seed(settings.random_seed) if settings.random_seed is not None else None
+        return _seq2seq_generate(stage, inputs, attention_mask, settings, device, generator)
     if not use_cache and (cuda_graphs or settings.num_beams > 1):
         raise MegatronPluginConfigError("use_cache", False, "beam search and CUDA graphs decode with the cache")
     return generate(stage, inputs, attention_mask, settings, device, add_bos=bos,
