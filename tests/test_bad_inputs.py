@@ -414,3 +414,40 @@ def test_sliding_window_on_some_layers_only_is_refused():
     _check(_error(lambda: check_model(MegatronLMPlugin(), cfg)), "layer_types", "some layers only")
     every = llama_config("qwen2", use_sliding_window=True, sliding_window=4, max_window_layers=0)
     assert check_model(MegatronLMPlugin(), every).sliding_window(every) == 4  # on every layer: mapped
+
+
+# -- BERT and T5 ----------------------------------------------------------------------------------------
+def test_bert_and_t5_unmapped_variants_are_refused():
+    from transformers import BertConfig, T5Config, T5EncoderModel
+
+    from megatron_plugin.models import check_model, get_family
+
+    _check(_error(lambda: check_model(MegatronLMPlugin(), BertConfig(position_embedding_type="relative_key"))),
+           "position_embedding_type", "absolute")
+    _check(_error(lambda: check_model(MegatronLMPlugin(), BertConfig(is_decoder=True))), "is_decoder", "encoder")
+    _check(_error(lambda: check_model(MegatronLMPlugin(), BertConfig(hidden_act="silu"))), "hidden_act", "gelu")
+    t5 = T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    _check(_error(lambda: check_model(MegatronLMPlugin(pp_degree=2), t5)), "pp_degree", "encoder-decoder")
+    encoder_only = T5EncoderModel(t5)
+    _check(_error(lambda: get_family(t5).variant_of(encoder_only)), "model", "T5ForConditionalGeneration")
+
+
+def _nsp_without_binary_head():
+    from tests.models import tiny_bert
+    from tests.training import mlm_dataset
+
+    data = mlm_dataset(8, 333, nsp=True)
+    model = tiny_bert("bert", "mlm")
+    acc, engine = _prepare(model=model, data=data, micro=4)
+    engine.train()
+    batch = {k: torch.stack([d[k] for d in data[:4]]) for k in data[0]}
+    try:
+        engine(**batch)
+    except MegatronPluginConfigError as err:
+        return err.setting, str(err)
+    return None
+
+
+def test_nsp_labels_without_a_binary_head():
+    for got in run_on_ranks(_nsp_without_binary_head, 2):
+        _check(got, "next_sentence_label", "ForPreTraining")
