@@ -34,6 +34,8 @@ SIZES = {  # GPT-2: n_layer, n_embd, n_head
 LLAMA_SIZES = {  # layers, hidden, heads, KV heads, ffn, vocab (Llama 3.2 1B; tied embeddings)
     "llama-1b": (16, 2048, 32, 8, 8192, 128256),
 }
+# BERT-base (MLM, 15% of tokens labelled) and T5 v1.1-base (targets a quarter of the source length)
+OTHER_SIZES = ("bert-base", "t5-base")
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
 
 
@@ -47,6 +49,16 @@ def peak_flops(name: str) -> float:
 def model_config(size, seq):
     from transformers import GPT2Config, LlamaConfig
 
+    if size == "bert-base":
+        from transformers import BertConfig
+
+        return BertConfig(max_position_embeddings=seq, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+                          attn_implementation="sdpa")
+    if size == "t5-base":
+        from transformers import T5Config
+
+        return T5Config(d_model=768, d_kv=64, d_ff=2048, num_layers=12, num_heads=12, feed_forward_proj="gated-gelu",
+                        vocab_size=32128, dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0)
     if size in LLAMA_SIZES:
         layers, hidden, heads, kv, ffn, vocab = LLAMA_SIZES[size]
         return LlamaConfig(num_hidden_layers=layers, hidden_size=hidden, num_attention_heads=heads,
@@ -58,6 +70,19 @@ def model_config(size, seq):
 
 
 def flops_per_token(cfg, seq):
+    if cfg.model_type == "bert":
+        h, L = cfg.hidden_size, cfg.num_hidden_layers
+        n = (4 * h * h + 2 * h * cfg.intermediate_size + 9 * h) * L + cfg.vocab_size * h + h * h
+        return 6 * n + 12 * L * h * seq, n
+    if cfg.model_type == "t5":
+        # per source token: encoder on the source, decoder (self + cross attention, MLP, LM head) on a quarter
+        h, a, f, L = cfg.d_model, cfg.num_heads * cfg.d_kv, cfg.d_ff, cfg.num_layers
+        mlp = (3 if cfg.is_gated_act else 2) * h * f
+        enc, dec = 4 * h * a + mlp, 8 * h * a + mlp
+        n = (enc + dec) * L + cfg.vocab_size * h
+        t = seq // 4
+        per_sample = 6 * (enc * L * seq + (dec * L + cfg.vocab_size * h) * t) + 12 * L * a * (seq * seq + t * t + t * seq)
+        return per_sample / seq, n
     if cfg.model_type == "llama":
         h, L = cfg.hidden_size, cfg.num_hidden_layers
         kv = cfg.num_key_value_heads * (h // cfg.num_attention_heads)
@@ -71,18 +96,25 @@ def flops_per_token(cfg, seq):
 def build_step(args):
     """Model, optimizer and data for one mode in this process; returns (step, hf_config, world size)."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForMaskedLM, AutoModelForSeq2SeqLM
 
     cfg = model_config(args.size, args.seq)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.manual_seed(0)
+    auto = {"bert": AutoModelForMaskedLM, "t5": AutoModelForSeq2SeqLM}.get(cfg.model_type, AutoModelForCausalLM)
     with torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))):
-        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        model = auto.from_config(cfg) if cfg.model_type == "t5" else auto.from_config(cfg, attn_implementation="sdpa")
     hf = args.mode.startswith("hf")
     # the strong HF baseline steps a fused AdamW; the plugin builds its own optimizer from this one
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **({"fused": True} if hf else {}))
     ids = torch.randint(0, cfg.vocab_size, (args.global_batch, args.seq))
-    data = [{"input_ids": x, "labels": x} for x in ids]
+    if cfg.model_type == "bert":
+        masked = torch.rand(ids.shape) < 0.15
+        data = [{"input_ids": x, "labels": x.masked_fill(~m, -100)} for x, m in zip(ids, masked)]
+    elif cfg.model_type == "t5":
+        data = [{"input_ids": x, "labels": x[: args.seq // 4]} for x in ids]
+    else:
+        data = [{"input_ids": x, "labels": x} for x in ids]
 
     if args.mode in ("megatron", "megatron_compile"):
         from torch.utils.data import DataLoader

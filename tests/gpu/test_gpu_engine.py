@@ -42,6 +42,44 @@ def baseline():
     return losses
 
 
+# BERT (post-LN, MLM + NSP) and T5 (no pipeline stages in megatron-core 0.16.1)
+ENCODER_LAYOUTS_2GPU = {
+    "bert_tp2_sp": dict(family="bert", tp=2, sp=True),
+    "bert_pp2": dict(family="bert", pp=2),
+    "bert_dp2_distopt": dict(family="bert", distopt=True),
+    "t5_tp2": dict(family="t5", tp=2),
+    "t5_tp2_sp": dict(family="t5", tp=2, sp=True),
+    "t5_dp2_distopt": dict(family="t5", distopt=True),
+}
+
+
+@pytest.fixture(scope="module")
+def encoder_baselines():
+    return {f: run_on_ranks(partial(run_layout, family=f), 1)[0] for f in ("bert", "t5")}
+
+
+@two_gpus
+@pytest.mark.parametrize("name", ["bert_tp2", "bert_pp2", "t5_tp2"])
+def test_bert_t5_bf16_logits_parity_2gpu(name):
+    family, layout = name.split("_")
+    kwargs = {"tp2": dict(tp=2), "pp2": dict(pp=2)}[layout]
+    for r in [r for r in run_on_ranks(_logits, 2, dict(kwargs, family=family)) if r["last_stage"]]:
+        assert r["ours_err"] <= 2 * r["hf_bf16_err"] + 1e-3, (name, r)
+
+
+def test_bert_t5_baselines_learn(encoder_baselines):
+    for family, losses in encoder_baselines.items():
+        assert sum(losses[-5:]) < sum(losses[:5]) * 0.9, (family, losses)
+
+
+@two_gpus
+@pytest.mark.parametrize("name", list(ENCODER_LAYOUTS_2GPU))
+def test_bert_t5_layouts_track_single_gpu_loss(name, encoder_baselines):
+    layout = ENCODER_LAYOUTS_2GPU[name]
+    for losses in run_on_ranks(_train, 2, layout):
+        _assert_tracks(losses, encoder_baselines[layout["family"]], name)
+
+
 @pytest.fixture(scope="module")
 def llama_baseline():
     (losses,) = run_on_ranks(partial(run_layout, family="llama"), 1)

@@ -10,9 +10,18 @@ FROZEN = {"gpt2": ("transformer.wte.", "transformer.h.0.attn."), "llama": ("mode
 
 
 def gpu_model(family="gpt2", seed=0):
-    from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM
+    from transformers import (BertConfig, BertForPreTraining, GPT2Config, GPT2LMHeadModel, LlamaConfig,
+                              LlamaForCausalLM, T5Config, T5ForConditionalGeneration)
 
     torch.manual_seed(seed)
+    if family == "bert":  # post-LN, MLM + next-sentence heads
+        return BertForPreTraining(BertConfig(vocab_size=1000, hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                                             intermediate_size=1024, max_position_embeddings=128,
+                                             hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0))
+    if family == "t5":  # v1.1-style: gated GELU
+        return T5ForConditionalGeneration(T5Config(vocab_size=1000, d_model=256, d_kv=32, d_ff=512, num_layers=4,
+                                                   num_heads=8, feed_forward_proj="gated-gelu", dropout_rate=0.0,
+                                                   pad_token_id=0, eos_token_id=1, decoder_start_token_id=0))
     if family == "gpt2":
         cfg = GPT2Config(vocab_size=1000, n_positions=128, n_embd=256, n_layer=4, n_head=8, resid_pdrop=0.0,
                          embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0)
@@ -26,7 +35,11 @@ def gpu_model(family="gpt2", seed=0):
     return LlamaForCausalLM(cfg)
 
 
-def dataset(n, vocab=1000, seed=3):
+def dataset(n, vocab=1000, seed=3, family="gpt2"):
+    if family in ("bert", "t5"):
+        from tests.training import mlm_dataset, seq2seq_dataset
+
+        return mlm_dataset(n, vocab, nsp=True, seed=seed) if family == "bert" else seq2seq_dataset(n, vocab, seed=seed)
     g = torch.Generator().manual_seed(seed)
     start = torch.randint(0, vocab, (n, 1), generator=g)
     stride = torch.randint(1, 4, (n, 1), generator=g)
@@ -57,7 +70,7 @@ def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="
             if name.startswith(FROZEN[family]):
                 p.requires_grad_(False)
     # the same global batch (and so the same samples per step) for every layout
-    data = dataset(total_steps * MICRO * NUM_MICRO)
+    data = dataset(total_steps * MICRO * NUM_MICRO, family=family)
     loader = DataLoader(data, batch_size=MICRO // dp, shuffle=False, drop_last=True)
     opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=1e-3, weight_decay=0.01)
     sched = MegatronLMDummyScheduler(opt, total_num_steps=total_steps, warmup_num_steps=5)
@@ -69,9 +82,12 @@ def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="
         with torch.no_grad():
             out = engine(**batch)
         ref_model = gpu_model(family).cuda().eval()
+        def logits(out):
+            return (out.prediction_logits if hasattr(out, "prediction_logits") else out.logits).float()
+
         with torch.no_grad():
-            ref = ref_model(**batch).logits.float()
-            hf_bf16 = ref_model.to(torch.bfloat16)(**batch).logits.float()
+            ref = logits(ref_model(**batch))
+            hf_bf16 = logits(ref_model.to(torch.bfloat16)(**batch))
         if out.logits is None:
             return {"last_stage": False, "loss": out.loss.item()}
         return {
