@@ -37,7 +37,7 @@ def is_megatron_checkpoint(path: str) -> bool:
 def _dtype(name: Optional[str]):
     if name is None:
         return None
-    from .io import DTYPES
+    from megatron_plugin.engine.hf_io import DTYPES
 
     if name not in DTYPES:
         raise MegatronPluginConfigError("--target_params_dtype", name, f"use one of {sorted(DTYPES)}")
@@ -58,7 +58,7 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
     from megatron_plugin.models import check_model
     from megatron_plugin.models.mapping import StagePlan, hf_to_mcore
 
-    from .io import staged_output
+    from megatron_plugin.engine.hf_io import staged_output
 
     cfg, family = reader.config, reader.family
     plugin = MegatronLMPlugin(tp_degree=tp, pp_degree=pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
@@ -81,7 +81,7 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
         for pp_rank in range(pp):
             plan = StagePlan.for_rank(num_layers, pp, pp_rank)
             for t in range(tp):
-                tensors = {name: x.to(dtype).contiguous() for name, x in hf_to_mcore(reader.get, rules, dims, plan, tp, t)}
+                tensors = {name: x.to(dtype).contiguous() for name, x in hf_to_mcore(reader.get_slice, rules, dims, plan, tp, t)}
                 file = model_file(os.path.join(out, tag), t, pp_rank)
                 save_file(tensors, file)
                 files[os.path.relpath(file, os.path.join(out, tag))] = file_checksum(file)
@@ -106,7 +106,7 @@ def write_hf(reader: MegatronReader, save_path: str, max_shard_size: str = "10GB
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from .io import parse_size, staged_output
+    from megatron_plugin.engine.hf_io import parse_size, staged_output
 
     limit = parse_size(max_shard_size)
     dtype = _dtype(params_dtype)
@@ -163,19 +163,19 @@ def _print_file(file, tensors):
 
 
 def convert_hf_to_megatron(load_path: str, save_path: str, **kwargs) -> str:
-    from .io import HFReader
+    from megatron_plugin.engine.hf_io import HFReader
 
     return write_megatron(HFReader(load_path), save_path, **kwargs)
 
 
 def reshape_megatron(load_path: str, save_path: str, **kwargs) -> str:
-    from .io import MegatronReader
+    from megatron_plugin.engine.hf_io import MegatronReader
 
     return write_megatron(MegatronReader(load_path), save_path, **kwargs)
 
 
 def convert_megatron_to_hf(load_path: str, save_path: str, **kwargs) -> str:
-    from .io import MegatronReader
+    from megatron_plugin.engine.hf_io import MegatronReader
 
     return write_hf(MegatronReader(load_path), save_path, **kwargs)
 

@@ -146,12 +146,12 @@ def test_bad_input_leaves_no_output(tmp_path):
 
     refused("no such folder", lambda: convert_hf_to_megatron(str(tmp_path / "nope"), str(out)))
     refused("4 attention heads", lambda: convert_hf_to_megatron(str(hf_dir), str(out), tp=3))
-    from transformers import BertConfig
+    from transformers import GPTNeoXConfig
 
-    bert = tmp_path / "bert"
-    bert.mkdir()
-    BertConfig().to_json_file(bert / "config.json")
-    refused("model_type='bert'", lambda: convert_hf_to_megatron(str(bert), str(out)))
+    neox = tmp_path / "neox"
+    neox.mkdir()
+    GPTNeoXConfig().to_json_file(neox / "config.json")
+    refused("model_type='gpt_neox'", lambda: convert_hf_to_megatron(str(neox), str(out)))
     # a truncated weights file: the conversion fails part-way, and nothing is left at --save_path
     corrupt = tmp_path / "corrupt"
     corrupt.mkdir()

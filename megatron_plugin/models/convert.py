@@ -11,7 +11,8 @@ from megatron.core import parallel_state
 
 from . import ModelFamily
 from .gpt import padded_vocab_size
-from .mapping import Dims, StagePlan, expand, hf_to_mcore, mcore_to_hf
+from ..errors import MegatronPluginConfigError
+from .mapping import Dims, StagePlan, expand, mcore_to_hf, read_shard
 
 # HF tensors that are not weights (buffers some transformers versions keep in state dicts)
 _IGNORED_HF = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
@@ -35,7 +36,7 @@ def normalize_hf_state_dict(hf_state: Dict[str, torch.Tensor], family: ModelFami
 @torch.no_grad()
 def load_hf_into_mcore(
     model: torch.nn.Module,
-    get_hf: Callable[[str], torch.Tensor],
+    get_slice: Callable[[str], object],
     hf_names,
     family: ModelFamily,
     hf_config,
@@ -46,22 +47,34 @@ def load_hf_into_mcore(
     tp_size: int,
     tp_rank: int,
 ) -> None:
-    """Fill every parameter of `model` (one TP/PP rank) from HF tensors. Raises if any Megatron
-    parameter stays unfilled or any HF weight is left unused, so a mapping gap can't pass silently."""
+    """Fill every parameter of `model` (one TP/PP rank) from HF tensors, read through `get_slice(name)`
+    (a lazily read view, `mapping.read_shard`; `TensorSlice` over a tensor in memory). Raises if any
+    Megatron parameter stays unfilled or any HF weight is left unused, so a mapping gap can't pass
+    silently, or if a tensor's shape does not fit (naming it)."""
     target = _mcore_state(model)
     rules = family.table(hf_config, variant)
     filled, used = set(), set()
 
     def get_and_track(name):
         used.add(name)
-        return get_hf(name)
+        return get_slice(name)
 
-    for name, tensor in hf_to_mcore(get_and_track, rules, dims, plan, tp_size, tp_rank):
+    for rule, sources, name in expand(rules, plan):
+        try:
+            tensor = read_shard(get_and_track, rule, sources, dims, tp_size, tp_rank)
+        except (RuntimeError, ValueError, IndexError) as err:  # a source of another shape than the config says
+            raise MegatronPluginConfigError(
+                "checkpoint", sources, f"cannot build {name} from these HF tensors ({err}): the checkpoint does not "
+                "match the model's config",
+            ) from None
         if name not in target:
             raise KeyError(f"mapping names Megatron tensor {name!r}, which the model does not have")
         dest = target[name]
         if dest.shape != tensor.shape:
-            raise ValueError(f"{name}: Megatron shape {tuple(dest.shape)} but converted HF shape {tuple(tensor.shape)}")
+            raise MegatronPluginConfigError(
+                "checkpoint", sources, f"gives {name} the shape {tuple(tensor.shape)}, but the model's config makes it "
+                f"{tuple(dest.shape)}: the checkpoint is of another model size",
+            )
         dest.copy_(tensor)
         filled.add(name)
     missing = sorted(set(target) - filled)

@@ -180,18 +180,17 @@ def unshard(shards: Sequence[torch.Tensor], rule: Rule) -> torch.Tensor:
 
 
 def hf_to_mcore(
-    get_hf: Callable[[str], torch.Tensor],
+    get_slice: Callable[[str], object],
     rules: Sequence[Rule],
     dims: Dims,
     plan: StagePlan,
     tp_size: int = 1,
     tp_rank: int = 0,
 ) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield (Megatron name, this rank's tensor), reading HF tensors one rule at a time so that a
-    streaming caller holds at most one full tensor per rule."""
+    """Yield (Megatron name, this rank's tensor), one rule at a time, reading through `get_slice(name)`
+    (see `read_shard`) only this rank's part of each HF tensor where the transform allows it."""
     for rule, hf_names, mcore_name in expand(rules, plan):
-        full = TRANSFORMS[rule.transform].to_mcore([get_hf(n) for n in hf_names], dims)
-        yield mcore_name, shard(full, rule, tp_size, tp_rank)
+        yield mcore_name, read_shard(get_slice, rule, hf_names, dims, tp_size, tp_rank)
 
 
 def mcore_to_hf(
@@ -207,3 +206,62 @@ def mcore_to_hf(
         full = unshard(get_shards(mcore_name, rule), rule)
         for name, tensor in zip(hf_names, TRANSFORMS[rule.transform].to_hf(full, dims)):
             yield name, tensor
+
+
+def _rows(view, lo: int, hi: int, dim: int = 0) -> torch.Tensor:
+    return view[lo:hi] if dim == 0 else view[:, lo:hi]
+
+
+def _local(d: Dims, groups: int, heads: int) -> Dims:
+    import dataclasses
+
+    return dataclasses.replace(d, groups=groups, heads=heads)
+
+
+def read_shard(get_slice: Callable[[str], object], rule: Rule, hf_names: Sequence[str], dims: Dims,
+               tp_size: int, tp_rank: int) -> torch.Tensor:
+    """This TP rank's tensor of `rule`, reading only its part of each HF tensor where the transform
+    allows it (`get_slice(name)` gives a lazily read view: `.get_shape()` and `[a:b]` / `[:, a:b]`), so a
+    rank of a big model never holds a whole weight. Equal, bit for bit, to `shard(full transform)`."""
+    views = [get_slice(n) for n in hf_names]
+    t, r, p = rule.transform, tp_rank, tp_size
+    if rule.tp_dim is None or p == 1:
+        return TRANSFORMS[t].to_mcore([v[:] for v in views], dims)
+    if t == "copy" and rule.tp_interleave == 1:
+        n = views[0].get_shape()[rule.tp_dim]
+        return _rows(views[0], r * n // p, (r + 1) * n // p, rule.tp_dim).contiguous()
+    if t == "vocab" and rule.tp_dim == 0:
+        per = dims.padded_vocab // p
+        lo, hi = r * per, (r + 1) * per
+        real = views[0][lo:min(hi, dims.vocab)] if lo < dims.vocab else None
+        shape = views[0].get_shape()
+        pad_rows = hi - max(lo, min(hi, dims.vocab))
+        pad = torch.zeros((pad_rows, *shape[1:]), dtype=real.dtype if real is not None else torch.float32)
+        return (pad if real is None else torch.cat([real, pad.to(real.dtype)], 0)).contiguous()
+    if t == "conv1d":  # HF [in, out]; Megatron [out, in]
+        n = views[0].get_shape()[1 - rule.tp_dim]
+        return _rows(views[0], r * n // p, (r + 1) * n // p, 1 - rule.tp_dim).t().contiguous()
+    if t == "qkv_split" and dims.groups % p == 0:
+        g = dims.groups // p
+        per = dims.heads // dims.groups
+        q = views[0][r * g * per * dims.head_dim:(r + 1) * g * per * dims.head_dim]
+        k, v = (x[r * g * dims.head_dim:(r + 1) * g * dims.head_dim] for x in views[1:])
+        return _qkv_to_mcore(q, k, v, _local(dims, g, g * per))
+    if t in ("qkv_conv1d", "qkv_conv1d_bias") and dims.groups == dims.heads:
+        h = dims.heads * dims.head_dim
+        lo, hi = r * h // p, (r + 1) * h // p
+        local = _local(dims, dims.heads // p, dims.heads // p)
+        if t == "qkv_conv1d":
+            q, k, v = (views[0][:, i * h + lo:i * h + hi].t() for i in range(3))
+        else:
+            q, k, v = (views[0][i * h + lo:i * h + hi] for i in range(3))
+        return _qkv_to_mcore(q, k, v, local)
+    if t == "gate_up" and rule.tp_interleave == 2 and rule.tp_dim == 0:
+        n = views[0].get_shape()[0]
+        return torch.cat([v[r * n // p:(r + 1) * n // p] for v in views], 0).contiguous()
+    if t == "kv_split":
+        heads = dims.heads // p
+        k, v = (x[r * heads * dims.head_dim:(r + 1) * heads * dims.head_dim] for x in views)
+        return _kv_to_mcore(k, v, _local(dims, heads, heads))
+    # anything else (e.g. fewer KV heads than ranks): the whole tensor, then this rank's part
+    return shard(TRANSFORMS[t].to_mcore([v[:] for v in views], dims), rule, p, r)

@@ -13,6 +13,7 @@ from ..engine.distributed import current_layout
 from . import get_family
 from .gpt import build_model, build_transformer_config
 from .mapping import StagePlan, expand
+from ..engine.hf_io import TensorSlice
 from ..plugin import MegatronLMPlugin
 from ..layers.masks import attention_mask_4d
 from ..layers.spec import default_backend
@@ -89,8 +90,13 @@ class MegatronModel(torch.nn.Module):
 
     def load_hf_state_dict(self, hf_state: Dict[str, torch.Tensor]) -> None:
         hf_state = normalize_hf_state_dict(hf_state, self.family, self.variant)
+        self.load_hf(lambda name: TensorSlice(hf_state[name]), hf_state.keys())
+
+    def load_hf(self, get_slice, hf_names) -> None:
+        """Fill this stage's weights from HF tensors read through `get_slice(name)` (lazily read views,
+        e.g. `HFReader.get_slice`: each rank reads only its part of the files)."""
         load_hf_into_mcore(
-            self.module, hf_state.__getitem__, hf_state.keys(), self.family, self.hf_config, self.plan, self.dims,
+            self.module, get_slice, hf_names, self.family, self.hf_config, self.plan, self.dims,
             variant=self.variant, tp_size=parallel_state.get_tensor_model_parallel_world_size(),
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         )

@@ -8,16 +8,16 @@ import os
 import re
 import shutil
 import tempfile
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
 
-from megatron_plugin.engine.checkpoint import chunk_key, model_file, read_meta, resolve_checkpoint, verify_file
-from megatron_plugin.models.convert import model_dims
-from megatron_plugin.errors import MegatronPluginConfigError
-from megatron_plugin.models import get_family
-from megatron_plugin.models.mapping import StagePlan, TRANSFORMS, expand, unshard
+from .checkpoint import chunk_key, model_file, read_meta, resolve_checkpoint, verify_file
+from ..models.convert import model_dims
+from ..errors import MegatronPluginConfigError
+from ..models import get_family
+from ..models.mapping import StagePlan, TRANSFORMS, expand, unshard
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -35,14 +35,19 @@ class HFReader:
     """An HF model folder: config.json plus safetensors (single or sharded) or pytorch_model.bin files.
     `get(name)` reads one tensor; safetensors are memory-mapped, so only that tensor is loaded."""
 
-    def __init__(self, path: str):
-        if not os.path.isdir(path):
-            raise MegatronPluginConfigError("--load_path", path, "no such folder: pass an HF model folder")
+    def __init__(self, path: str, variant: Optional[str] = None, setting: str = "--load_path", config=None):
+        """`variant`: read the tensors of this variant (default: the one config.architectures names);
+        `setting`: what errors call the folder; `config`: the HF config to use instead of config.json."""
+        if not path or not os.path.isdir(path):
+            raise MegatronPluginConfigError(setting, path, "no such folder: pass a local HF model folder")
         cfg = os.path.join(path, "config.json")
-        if not os.path.exists(cfg):
-            raise MegatronPluginConfigError("--load_path", path, "no config.json there: pass an HF model folder")
-        with open(cfg) as f:
-            self.config = hf_config_from_dict(json.load(f))
+        if config is None and not os.path.exists(cfg):
+            raise MegatronPluginConfigError(setting, path, "no config.json there: pass an HF model folder")
+        if config is None:
+            with open(cfg) as f:
+                config = hf_config_from_dict(json.load(f))
+        self.config = config
+        self.setting = setting
         self.family = get_family(self.config)
         self.path = path
         self._where: Dict[str, str] = {}
@@ -60,15 +65,15 @@ class HFReader:
                 break
         if not self._where:
             raise MegatronPluginConfigError(
-                "--load_path", path, "no model.safetensors(.index.json) or pytorch_model.bin(.index.json) there"
+                setting, path, "no model.safetensors(.index.json) or pytorch_model.bin(.index.json) there"
             )
         for file in set(self._where.values()):
             if not os.path.exists(file):
-                raise MegatronPluginConfigError("--load_path", path, f"the index names {os.path.basename(file)}, which is missing")
+                raise MegatronPluginConfigError(setting, path, f"the index names {os.path.basename(file)}, which is missing")
         # The variant from config.architectures; a base model's tensors (and old GPT-2 checkpoints') lack
         # the prefix the mapping table names them with.
         archs = getattr(self.config, "architectures", None) or [None]
-        self.variant = self.family.variant_of_class(archs[0])
+        self.variant = variant or self.family.variant_of_class(archs[0])
         mapped = self.family.mapped_hf_names(self.config, self.variant)
         prefix = self.family.base_prefix
         self._alias = {}
@@ -86,33 +91,77 @@ class HFReader:
     def names(self) -> List[str]:
         return list(self._alias)
 
-    def get(self, name: str) -> torch.Tensor:
+    def _locate(self, name: str):
         if name not in self._alias:
-            raise KeyError(f"{self.path} has no tensor {name}")
+            raise MegatronPluginConfigError(self.setting, self.path, f"the checkpoint lacks tensor {name!r}")
         key = self._alias[name]
-        file = self._where[key]
+        return key, self._where[key]
+
+    def get(self, name: str) -> torch.Tensor:
+        key, file = self._locate(name)
         if file.endswith(".safetensors"):
-            with _open_safetensors(file) as f:
-                return f.get_tensor(key)
+            with _open_safetensors(file, self.setting) as f:
+                return _checked(f.get_tensor, key, file, self.setting)
         if self._bin_cache[0] != file:  # .bin shards load whole; keep one at a time
-            self._bin_cache = (file, _load_bin(file))
+            self._bin_cache = (file, _load_bin(file, self.setting))
         return self._bin_cache[1][key]
+
+    def get_slice(self, name: str):
+        """A lazily read view of one tensor: `.get_shape()`, and indexing (`[a:b]`, `[:, a:b]`) reads
+        only those elements from the file (safetensors); .bin files are read whole."""
+        key, file = self._locate(name)
+        if file.endswith(".safetensors"):
+            with _open_safetensors(file, self.setting) as f:
+                return _CheckedSlice(f.get_slice(key), key, file, self.setting)
+        return TensorSlice(self.get(name))
+
+
+class TensorSlice:
+    """The `get_slice` interface over a tensor already in memory."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.tensor = tensor
+
+    def get_shape(self):
+        return list(self.tensor.shape)
+
+    def __getitem__(self, index):
+        return self.tensor[index]
+
+
+class _CheckedSlice:
+    def __init__(self, inner, key, file, setting):
+        self.inner, self.key, self.file, self.setting = inner, key, file, setting
+
+    def get_shape(self):
+        return list(self.inner.get_shape())
+
+    def __getitem__(self, index):
+        return _checked(self.inner.__getitem__, index, self.file, self.setting, self.key)
+
+
+def _checked(read, arg, file, setting, key=None):
+    try:
+        return read(arg)
+    except Exception as err:  # a shard cut short fails only when the missing bytes are read
+        raise MegatronPluginConfigError(
+            setting, file, f"cannot read tensor {key or arg!r} from it ({err}): is the file complete?") from None
 
 
 @contextlib.contextmanager
-def _open_safetensors(file: str):
+def _open_safetensors(file: str, setting: str = "--load_path"):
     try:
         handle = safe_open(file, framework="pt")
     except Exception as err:
-        raise MegatronPluginConfigError("--load_path", file, f"cannot read this safetensors file ({err}); is it complete?") from None
+        raise MegatronPluginConfigError(setting, file, f"cannot read this safetensors file ({err}); is it complete?") from None
     yield handle
 
 
-def _load_bin(file: str) -> dict:
+def _load_bin(file: str, setting: str = "--load_path") -> dict:
     try:
         return torch.load(file, map_location="cpu", weights_only=True)
     except Exception as err:
-        raise MegatronPluginConfigError("--load_path", file, f"cannot read this .bin file ({err}); is it complete?") from None
+        raise MegatronPluginConfigError(setting, file, f"cannot read this .bin file ({err}); is it complete?") from None
 
 
 class MegatronReader:
@@ -147,6 +196,9 @@ class MegatronReader:
 
     def _file(self, tp_rank: int, pp_rank: int) -> str:
         return model_file(self.ckpt, tp_rank, pp_rank)
+
+    def get_slice(self, name: str):
+        return TensorSlice(self.get(name))
 
     def get(self, name: str) -> torch.Tensor:
         rule, mcore_name, pp, index = self._source[name]
