@@ -56,6 +56,31 @@ def layer_compile_kwargs(plugin: MegatronLMPlugin, dynamo_plugin) -> Optional[di
     return {} if plugin.torch_compile else None
 
 
+def weights_reader(hf_model, plugin: MegatronLMPlugin, family, variant: str):
+    """None for a model that carries its weights; for one without (meta device), a reader of the HF folder
+    they come from, checked to hold every tensor the model needs. No collectives."""
+    if not any(p.is_meta for p in hf_model.parameters()):
+        return None
+    from .engine.hf_io import HFReader
+
+    path = plugin.hf_checkpoint or getattr(hf_model.config, "_name_or_path", "") or None
+    if path is None or not os.path.isdir(path):
+        raise MegatronPluginConfigError(
+            "hf_checkpoint", path,
+            "the model has no weights (meta device) and no local checkpoint folder to read them from: pass "
+            "MegatronLMPlugin(hf_checkpoint='<HF model folder>'), or build the config with "
+            "AutoConfig.from_pretrained('<folder>')",
+        )
+    reader = HFReader(path, variant=variant, setting="hf_checkpoint", config=hf_model.config)
+    missing = sorted(family.mapped_hf_names(hf_model.config, variant) - set(reader.names))
+    if missing:
+        raise MegatronPluginConfigError(
+            "hf_checkpoint", path, f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}: "
+            "is it of this model (and this variant)?",
+        )
+    return reader
+
+
 class Accelerator(accelerate.Accelerator):
     def __init__(self, *args, megatron_lm_plugin: Optional[MegatronLMPlugin] = None, **kwargs):
         use_megatron = megatron_lm_plugin is not None or os.environ.get(_ENV_FLAG, "false").lower() == "true"
@@ -148,13 +173,17 @@ class Accelerator(accelerate.Accelerator):
             step_cls = getattr(train_steps, family.train_step)
         whole = StagePlan.single(family.num_layers(hf_model.config))
         trainable_flags(hf_model, optimizers[0], mcore_to_hf_sources(family, hf_model.config, whole, variant))
+        reader = weights_reader(hf_model, plugin, family, variant)
         if self.project_dir:
             checkpoint.check_writable(self.project_dir, "ProjectConfiguration.project_dir")
 
         layout = initialize(plugin, hf_model.config)
-        chunks = MegatronModel.chunks_from_hf(
-            hf_model, plugin, params_dtype=dtype if (dtype is not None and self.device.type == "cuda") else torch.float32
-        )
+        # a damaged file may be read by some ranks only (pipeline stages read different tensors): every
+        # rank raises the error, so none waits in a collective
+        chunks = checkpoint.agree(lambda: MegatronModel.chunks_from_hf(
+            hf_model, plugin, params_dtype=dtype if (dtype is not None and self.device.type == "cuda") else torch.float32,
+            reader=reader,
+        ))
         for chunk in chunks:
             sources = mcore_to_hf_sources(chunk.family, chunk.hf_config, chunk.plan, chunk.variant)
             flags = trainable_flags(hf_model, optimizers[0], sources)

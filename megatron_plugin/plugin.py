@@ -131,6 +131,13 @@ class MegatronLMPlugin:
         metadata={"help": "on CUDA, compile each transformer layer with torch.compile (Inductor); accelerate's "
                           "dynamo_backend / TorchDynamoPlugin does the same with its backend and mode"},
     )
+    hf_checkpoint: Optional[str] = field(
+        default=None,
+        metadata={"help": "a local HF model folder (safetensors, sharded or not) to read the weights from when the "
+                          "model given to prepare has none (meta device, e.g. built under accelerate's "
+                          "init_empty_weights); each rank reads only its slices. Default: the model config's "
+                          "_name_or_path. When set, it wins over _name_or_path"},
+    )
     seed: int = field(default=1234, metadata={"help": "seed of torch and of Megatron's parallel RNG tracker"})
     lr_decay_style: str = field(default="linear", metadata={"help": "'constant', 'linear' or 'cosine'"})
     min_lr: float = field(default=0.0, metadata={"help": "the learning rate at the end of decay"})

@@ -119,7 +119,7 @@ def test_pipeline_stages_hold_their_share_bit_exact(tp, pp):
 
 
 def _unmapped_worker():
-    from megatron_plugin import MegatronLMPlugin
+    from megatron_plugin import MegatronLMPlugin, MegatronPluginConfigError
     from megatron_plugin.engine.distributed import initialize
     from megatron_plugin.models.modeling import MegatronModel
 
@@ -130,7 +130,7 @@ def _unmapped_worker():
     state = dict(hf.state_dict(), **{"transformer.h.0.attn.extra_proj.weight": torch.zeros(2)})
     try:
         model.load_hf_state_dict(state)
-    except KeyError as err:
+    except MegatronPluginConfigError as err:
         return str(err)
     return None
 

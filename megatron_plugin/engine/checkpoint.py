@@ -293,7 +293,7 @@ def _torch_load(path: str, map_location=None):
         raise MegatronPluginConfigError("load_state", path, f"cannot read this file ({err}): is it complete?") from None
 
 
-def _agree(fn):
+def agree(fn):
     """Run `fn` on every rank; if it raised a MegatronPluginConfigError on any rank, raise on all of them
     (the rank's own error where it has one), so no rank is left waiting in a later collective."""
     try:
@@ -364,7 +364,7 @@ def load_state(input_dir: str, engine, custom_objects=()) -> dict:
                            for i in range(len(custom_objects))]
         return state
 
-    state = _agree(read)
+    state = agree(read)
     ckpt, meta = state["ckpt"], state["meta"]
     with torch.no_grad():
         for key, dest in _chunk_tensors(engine):

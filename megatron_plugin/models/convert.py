@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import warnings
 from typing import Callable, Dict, Optional
 
 import torch
@@ -46,6 +47,7 @@ def load_hf_into_mcore(
     variant: str,
     tp_size: int,
     tp_rank: int,
+    extra_tensors: str = "raise",
 ) -> None:
     """Fill every parameter of `model` (one TP/PP rank) from HF tensors, read through `get_slice(name)`
     (a lazily read view, `mapping.read_shard`; `TensorSlice` over a tensor in memory). Raises if any
@@ -62,6 +64,8 @@ def load_hf_into_mcore(
     for rule, sources, name in expand(rules, plan):
         try:
             tensor = read_shard(get_and_track, rule, sources, dims, tp_size, tp_rank)
+        except MegatronPluginConfigError:
+            raise
         except (RuntimeError, ValueError, IndexError) as err:  # a source of another shape than the config says
             raise MegatronPluginConfigError(
                 "checkpoint", sources, f"cannot build {name} from these HF tensors ({err}): the checkpoint does not "
@@ -84,8 +88,14 @@ def load_hf_into_mcore(
     mapped = family.mapped_hf_names(hf_config, variant)
     aliases = family.tied_aliases(hf_config, variant)  # tied copies of a mapped tensor
     unused = sorted(n for n in hf_names if n not in mapped and n not in aliases and not _IGNORED_HF.search(n))
-    if unused:
-        raise KeyError(f"HF tensors the {family.name} mapping does not use: {unused}")
+    if unused and extra_tensors == "raise":
+        raise MegatronPluginConfigError(
+            "model", f"{len(unused)} unmapped tensors, e.g. {unused[:3]}",
+            f"the {family.name} mapping does not use them, and dropping weights silently would train another "
+            "model: this variant or feature is not supported",
+        )
+    if unused:  # a checkpoint with more heads than the model built from it (as from_pretrained, warn)
+        warnings.warn(f"checkpoint tensors this {family.name} model does not use: {unused[:8]}")
 
 
 @torch.no_grad()

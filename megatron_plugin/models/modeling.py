@@ -71,20 +71,25 @@ class MegatronModel(torch.nn.Module):
 
     @classmethod
     def chunks_from_hf(cls, hf_model: torch.nn.Module, plugin: MegatronLMPlugin, params_dtype=torch.float32,
-                       backend: Optional[str] = None) -> list:
-        """This rank's model chunks (one per virtual pipeline stage), carrying the HF weights."""
+                       backend: Optional[str] = None, reader=None) -> list:
+        """This rank's model chunks (one per virtual pipeline stage), carrying the HF weights: the model's
+        own, or, with `reader` (an HFReader, for a model without weights), read from its files, each rank
+        its own slices."""
         layout = current_layout()
         family = get_family(hf_model.config)
         config = build_transformer_config(family, hf_model.config, plugin, params_dtype=params_dtype,
                                           device_type=layout.device.type)
         vp = config.virtual_pipeline_model_parallel_size
-        state = hf_model.state_dict()
+        state = hf_model.state_dict() if reader is None else None
         variant = family.variant_of(hf_model)
         chunks = []
         for vp_stage in range(vp or 1):
             chunk = cls(hf_model.config, plugin, variant=variant, config=config,
                         vp_stage=vp_stage if vp else None, backend=backend)
-            chunk.load_hf_state_dict(state)
+            if reader is None:
+                chunk.load_hf_state_dict(state)
+            else:
+                chunk.load_hf(reader.get_slice, reader.names, extra_tensors="warn")
             chunks.append(chunk)
         return chunks
 
@@ -92,12 +97,12 @@ class MegatronModel(torch.nn.Module):
         hf_state = normalize_hf_state_dict(hf_state, self.family, self.variant)
         self.load_hf(lambda name: TensorSlice(hf_state[name]), hf_state.keys())
 
-    def load_hf(self, get_slice, hf_names) -> None:
+    def load_hf(self, get_slice, hf_names, extra_tensors: str = "raise") -> None:
         """Fill this stage's weights from HF tensors read through `get_slice(name)` (lazily read views,
         e.g. `HFReader.get_slice`: each rank reads only its part of the files)."""
         load_hf_into_mcore(
             self.module, get_slice, hf_names, self.family, self.hf_config, self.plan, self.dims,
-            variant=self.variant, tp_size=parallel_state.get_tensor_model_parallel_world_size(),
+            extra_tensors=extra_tensors, variant=self.variant, tp_size=parallel_state.get_tensor_model_parallel_world_size(),
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
         )
 
