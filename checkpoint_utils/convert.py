@@ -103,12 +103,11 @@ def write_hf(reader: MegatronReader, save_path: str, max_shard_size: str = "10GB
              tokenizer_name: Optional[str] = None, overwrite: bool = False, print_structure: bool = False,
              progress: bool = True) -> str:
     """Write a Megatron checkpoint as an HF folder: sharded safetensors, config, tokenizer."""
-    from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from megatron_plugin.engine.hf_io import parse_size, staged_output
+    from megatron_plugin.engine.hf_io import HFShardWriter, staged_output
 
-    limit = parse_size(max_shard_size)
+    limit = max_shard_size
     dtype = _dtype(params_dtype)
     cfg, family = reader.config, reader.family
     variant = reader.variant
@@ -116,37 +115,11 @@ def write_hf(reader: MegatronReader, save_path: str, max_shard_size: str = "10GB
     if tokenizer_name is not None and not os.path.isdir(tokenizer_name):
         raise MegatronPluginConfigError("--tokenizer_name", tokenizer_name, "pass a local tokenizer folder")
     with staged_output(save_path, overwrite) as out:
-        shards, current, size, total = [], {}, 0, 0
-
-        def flush():
-            nonlocal current, size
-            if current:
-                file = os.path.join(out, f"shard-{len(shards):05d}.tmp")
-                save_file(current, file, metadata={"format": "pt"})
-                shards.append((file, list(current)))
-                if print_structure:
-                    _print_file(file, current)
-                current, size = {}, 0
-
+        writer = HFShardWriter(out, limit, on_shard=_print_file if print_structure else None)
         for name in tqdm(reader.names, desc="HF tensors", disable=not progress):
             x = reader.get(name)
-            x = (x.to(dtype) if dtype else x).contiguous()
-            out_name = name[strip:]
-            nbytes = x.numel() * x.element_size()
-            if current and size + nbytes > limit:
-                flush()
-            current[out_name] = x
-            size += nbytes
-            total += nbytes
-        flush()
-        weight_map = {}
-        for i, (file, names) in enumerate(shards):
-            final = "model.safetensors" if len(shards) == 1 else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            os.replace(file, os.path.join(out, final))
-            weight_map.update(dict.fromkeys(names, final))
-        if len(shards) > 1:
-            with open(os.path.join(out, "model.safetensors.index.json"), "w") as f:
-                json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+            writer.add(name[strip:], x.to(dtype) if dtype else x)
+        writer.finish()
         cfg.architectures = [family.classes[variant]]
         cfg.save_pretrained(out)
         if tokenizer_name is not None:

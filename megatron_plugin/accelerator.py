@@ -263,7 +263,19 @@ class Accelerator(accelerate.Accelerator):
         return checkpoint.load_state(input_dir, self._engine, self._custom_objects)
 
     def get_state_dict(self, model, unwrap=True):
-        """The HF state dict of the whole model (PP=1), gathered over TP ranks."""
+        """The HF state dict of the whole model on every rank: gathered over TP ranks and pipeline stages."""
         if self._megatron is None:
             return super().get_state_dict(model, unwrap)
-        return self._engine.hf_state_dict()
+        from .engine.export import full_state_dict
+
+        return full_state_dict(self._engine)
+
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
+        """Write an HF checkpoint (config, sharded safetensors, index) straight from the TP/PP model:
+        tensor by tensor, written by global rank 0, `from_pretrained` loads it. Collective."""
+        if self._megatron is None:
+            return super().save_model(model, save_directory, max_shard_size=max_shard_size,
+                                      safe_serialization=safe_serialization)
+        from .engine.export import save_model
+
+        return save_model(self._engine, save_directory, max_shard_size, safe_serialization)

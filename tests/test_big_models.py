@@ -144,3 +144,81 @@ def test_meta_device_bad_inputs(tmp_path):
     assert "model.layers.1.mlp.down_proj.weight" in out["missing_tensor"][1] and "lacks" in out["missing_tensor"][1]
     assert "another model size" in out["other_size"][1] and "mlp" in out["other_size"][1]
     assert out["truncated"][0] == "hf_checkpoint" and "complete" in out["truncated"][1], out["truncated"]
+
+
+# -- load_state across layouts, save_model, get_state_dict ---------------------------------------------------
+def _train_resume(tp, steps, start, total, save_dir=None, load_dir=None):
+    """GPT-2 training steps [start, start + steps) of a `total`-step run at this layout; optional save/load."""
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+    from tests.training import WARMUP, optimizer_for, token_dataset
+
+    world = int(os.environ["WORLD_SIZE"])
+    model = tiny_gpt2("tied")
+    data = token_dataset(total * 4, model.config.vocab_size)
+    opt = optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=tp))
+    engine, opt, sched, loader = acc.prepare(
+        model, opt, MegatronLMDummyScheduler(opt, total_num_steps=total, warmup_num_steps=WARMUP),
+        DataLoader(data, batch_size=4 // (world // tp)))
+    if load_dir:
+        assert acc.load_state(load_dir)["iteration"] == start
+    engine.train()
+    losses = []
+    for i, batch in enumerate(loader):
+        if i < start:
+            continue
+        losses.append(engine(**batch).loss.item())
+        if len(losses) == steps:
+            break
+    if save_dir:
+        acc.save_state(save_dir)
+    return losses
+
+
+def test_checkpoint_of_tp2_resumes_at_tp1_dp2(tmp_path):
+    """Weights and the optimizer's moments are resharded on load: the continued losses equal those of a
+    resume at the saved layout."""
+    ckpt = str(tmp_path / "ckpt")
+    first = run_on_ranks(_train_resume, 2, 2, 6, 0, 12, ckpt)[0]
+    same = run_on_ranks(_train_resume, 2, 2, 6, 6, 12, None, ckpt)[0]
+    other = run_on_ranks(_train_resume, 2, 1, 6, 6, 12, None, ckpt)
+    straight = run_on_ranks(_train_resume, 2, 2, 12, 0, 12)[0]
+    assert first + same == pytest.approx(straight, rel=1e-6)
+    for losses in other:
+        for a, b in zip(losses, same):
+            assert abs(a - b) / b < 1e-5, (losses, same)
+
+
+def _trained_then_saved(path, tp):
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+    from tests.training import optimizer_for, token_dataset
+
+    model = tiny_llama("llama", tie_word_embeddings=True)
+    opt = optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=tp))
+    engine, opt, sched, loader = acc.prepare(
+        model, opt, MegatronLMDummyScheduler(opt, total_num_steps=3), DataLoader(token_dataset(12, 333), batch_size=4))
+    engine.train()
+    for batch in loader:
+        engine(**batch)
+    streamed = [(n, t.clone()) for n, t in engine.iter_hf_weights()]
+    state = acc.get_state_dict(engine)
+    acc.save_model(engine, path, max_shard_size="40KB")
+    return streamed, state
+
+
+def test_save_model_is_a_loadable_hf_checkpoint(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    path = str(tmp_path / "hf")
+    results = run_on_ranks(_trained_then_saved, 2, path, 2)
+    streamed, state = results[0]
+    assert [n for n, _ in streamed] == list(state) and all(torch.equal(t, state[n]) for n, t in streamed)
+    assert all(torch.equal(state[k], results[1][1][k]) for k in state)  # every rank gets the whole model
+    assert os.path.exists(os.path.join(path, "model.safetensors.index.json"))  # sharded
+    loaded = AutoModelForCausalLM.from_pretrained(path).state_dict()
+    initial = tiny_llama("llama", tie_word_embeddings=True).state_dict()
+    for k, v in state.items():
+        assert torch.equal(loaded[k], v), k  # bit for bit what was trained
+    assert not torch.equal(loaded["model.layers.0.self_attn.q_proj.weight"], initial["model.layers.0.self_attn.q_proj.weight"])
+    assert set(loaded) == set(initial)

@@ -177,6 +177,10 @@ def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer
         written.append(model_file(staging, tp_rank, pp_rank))
         written.append(os.path.join(staging, "optimizer", f"{name}_dp000.pt"))
         torch.save(engine.optimizer.state_dict(), written[-1])
+        if isinstance(engine.optimizer, torch.optim.Optimizer):
+            # which parameter each state index is: what a load into another layout reshards by
+            written.append(os.path.join(staging, "optimizer", f"{name}_names.json"))
+            atomic_write_text(written[-1], json.dumps(optimizer_param_names(engine)))
     if distributed_optimizer:
         # mcore gathers the DP-sharded optimizer state onto DP rank 0 of each model-parallel rank
         path = os.path.join(staging, "optimizer", f"{name}_param_state.pt")
@@ -211,7 +215,8 @@ def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer
             variant=engine.model.variant,
             make_vocab_size_divisible_by=engine.plugin.make_vocab_size_divisible_by,
             hf_config=engine.model.hf_config.to_dict(),
-        ), files=dict(sorted(files.items()))))
+        ), files=dict(sorted(files.items())),
+            engine="cpu" if isinstance(engine.optimizer, torch.optim.Optimizer) else "mcore"))
         os.replace(staging, final)
         previous = read_latest(output_dir)
         point_latest(output_dir, tag)
@@ -308,24 +313,116 @@ def agree(fn):
     return result
 
 
+def optimizer_param_names(engine) -> list:
+    """The Megatron name of each parameter of a torch optimizer (CPU engine), in state-dict index order."""
+    names = {id(p): n for n, p in engine.model.module.named_parameters()}
+    return [names[id(p)] for g in engine.optimizer.param_groups for p in g["params"]]
+
+
+def _resharded_optimizer_state(ckpt: str, meta: dict, engine) -> dict:
+    """The CPU engine's torch optimizer state saved at another TP layout, moved to this rank's layout
+    the way the weights are: per state tensor (exp_avg, ...) all TP shards -> the HF tensor -> this
+    rank's shard (mapping.read_shard)."""
+    from ..models.convert import model_dims
+    from ..models.mapping import TRANSFORMS, expand, read_shard, unshard
+    from .hf_io import TensorSlice
+
+    model = engine.model
+    old_tp = meta["tp"]
+    saved = []
+    for t in range(old_tp):
+        stem = shard_name(t, 0)
+        names = json.loads(open(verify_file(ckpt, os.path.join("optimizer", f"{stem}_names.json"), meta)).read())
+        sd = _torch_load(verify_file(ckpt, os.path.join("optimizer", f"{stem}_dp000.pt"), meta), map_location="cpu")
+        saved.append({n: sd["state"][i] for i, n in enumerate(names) if i in sd["state"]})
+    old_dims = model_dims(model.family, model.hf_config, meta["make_vocab_size_divisible_by"], old_tp)
+    rules = model.family.table(model.hf_config, model.variant)
+    new_names = optimizer_param_names(engine)
+    by_name = {}
+    for rule, hf_names, mcore_name in expand(rules, model.plan):
+        if mcore_name not in new_names or mcore_name not in saved[0]:
+            continue
+        entry = {}
+        for key, value in saved[0][mcore_name].items():
+            if not torch.is_tensor(value) or value.dim() == 0:
+                entry[key] = value  # the step count
+                continue
+            parts = [saved[t][mcore_name][key] for t in range(old_tp)]
+            hf = dict(zip(hf_names, TRANSFORMS[rule.transform].to_hf(unshard(parts, rule), old_dims)))
+            entry[key] = read_shard(lambda n: TensorSlice(hf[n]), rule, hf_names, model.dims,
+                                    parallel_state.get_tensor_model_parallel_world_size(),
+                                    parallel_state.get_tensor_model_parallel_rank())
+        by_name[mcore_name] = entry
+    current = engine.optimizer.state_dict()
+    current["state"] = {i: by_name[n] for i, n in enumerate(new_names) if n in by_name}
+    return current
+
+
+def _load_resharded(ckpt: str, meta: dict, engine, custom_objects) -> dict:
+    """A checkpoint of another TP/PP/virtual-stage layout: the weights are resharded through HF names
+    (the converter's reader); the CPU engine's optimizer state too; mcore's optimizer state, whose
+    layout follows the parallel layout, starts fresh (with a warning). RNG states are per rank and
+    start fresh when the world size changed."""
+    import warnings
+
+    from .hf_io import MegatronReader
+
+    def read():
+        reader = MegatronReader(ckpt, setting="load_state")
+        for chunk in engine.chunks:
+            chunk.load_hf(reader.get_slice, reader.names)
+        state = {}
+        if meta.get("model_only"):
+            return state
+        if meta.get("engine") == "cpu" and isinstance(engine.optimizer, torch.optim.Optimizer) and meta["pp"] == 1:
+            state["optimizer"] = _resharded_optimizer_state(ckpt, meta, engine)
+        if engine.scheduler is not None:
+            state["scheduler"] = _torch_load(verify_file(ckpt, "scheduler.pt", meta))
+        state["custom"] = [_torch_load(verify_file(ckpt, os.path.join("custom", f"{i}.pt"), meta))
+                           for i in range(len(custom_objects))]
+        if meta["world_size"] == dist.get_world_size():
+            state["rng"] = _torch_load(verify_file(ckpt, os.path.join("rng", f"rank{dist.get_rank():05d}.pt"), meta))
+        return state
+
+    with torch.no_grad():
+        state = agree(read)
+    layout = f"tp={meta['tp']}, pp={meta['pp']}, virtual stages={meta.get('vpp')}"
+    if not meta.get("model_only"):
+        if "optimizer" in state:
+            engine.optimizer.load_state_dict(state["optimizer"])
+        else:
+            warnings.warn(f"load_state: {ckpt} was saved with {layout}; the weights were resharded to this run's "
+                          "layout, the optimizer state could not be and starts fresh")
+        if engine.scheduler is not None:
+            engine.scheduler.load_state_dict(state["scheduler"])
+        if "rng" in state:
+            _set_rng_state(state["rng"], engine)
+        else:
+            warnings.warn(f"load_state: {ckpt} holds RNG states of {meta['world_size']} processes; this run's "
+                          "random streams (dropout) start from the plugin's seed")
+        for obj, saved in zip(custom_objects, state["custom"]):
+            obj.load_state_dict(saved)
+    engine.iteration = meta["iteration"]
+    dist.barrier()
+    return meta
+
+
 def load_state(input_dir: str, engine, custom_objects=()) -> dict:
     """Collective. Loads model shards, optimizer, scheduler, RNG and iteration; returns meta.json.
-    Every file is checked against the checksum saved with it before anything is loaded."""
+    Every file is checked against the checksum saved with it before anything is loaded. A checkpoint of
+    another TP/PP layout is resharded (`_load_resharded`)."""
     tp = parallel_state.get_tensor_model_parallel_world_size()
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     tp_rank, pp_rank, dp_rank = _rank()
     name = shard_name(tp_rank, pp_rank)
     vpp = _vpp(engine)
 
+    located = agree(lambda: (lambda c: (c, read_meta(c)))(resolve_checkpoint(input_dir)))
+    if (located[1]["tp"], located[1]["pp"], located[1].get("vpp")) != (tp, pp, vpp):
+        return _load_resharded(located[0], located[1], engine, custom_objects)
+
     def read():
-        ckpt = resolve_checkpoint(input_dir)
-        meta = read_meta(ckpt)
-        if (meta["tp"], meta["pp"], meta.get("vpp")) != (tp, pp, vpp):
-            raise MegatronPluginConfigError(
-                "tp_degree/pp_degree/virtual stages", f"{tp}/{pp}/{vpp}",
-                f"the checkpoint {ckpt} was saved with tp={meta['tp']}, pp={meta['pp']}, virtual stages="
-                f"{meta.get('vpp')}: run with that layout, or reshape it with `python -m checkpoint_utils.convert`",
-            )
+        ckpt, meta = located
         path = verify_file(ckpt, os.path.relpath(model_file(ckpt, tp_rank, pp_rank), ckpt), meta)
         tensors = _load_model_file(path)
         for key, dest in _chunk_tensors(engine):
@@ -342,24 +439,21 @@ def load_state(input_dir: str, engine, custom_objects=()) -> dict:
         state = {"ckpt": ckpt, "meta": meta, "tensors": tensors}
         if meta.get("model_only"):
             return state
-        if meta["distributed_optimizer"] != engine.plugin.use_distributed_optimizer:
-            raise MegatronPluginConfigError(
-                "use_distributed_optimizer", engine.plugin.use_distributed_optimizer,
-                f"{ckpt} was saved with use_distributed_optimizer={meta['distributed_optimizer']}: resume with the same",
-            )
         rng_rel = os.path.join("rng", f"rank{dist.get_rank():05d}.pt")
-        if meta["world_size"] != dist.get_world_size():
-            raise MegatronPluginConfigError(
-                "world size", dist.get_world_size(),
-                f"{ckpt} holds RNG states for {meta['world_size']} ranks; resume with the same number of processes",
-            )
-        state["optimizer"] = _torch_load(verify_file(ckpt, os.path.join("optimizer", f"{name}_dp000.pt"), meta),
-                                         map_location=engine.device)
-        if meta["distributed_optimizer"] and dp_rank == 0:
-            verify_file(ckpt, os.path.join("optimizer", f"{name}_param_state.pt"), meta)
+        other_dp = meta["world_size"] != dist.get_world_size()  # the same layout, more or fewer replicas
+        if other_dp:
+            state["rng"] = None
+        # the distributed optimizer shards its state over the data-parallel ranks: only the same sharding loads
+        sharded = meta["distributed_optimizer"] or engine.plugin.use_distributed_optimizer
+        if not (sharded and (other_dp or meta["distributed_optimizer"] != engine.plugin.use_distributed_optimizer)):
+            state["optimizer"] = _torch_load(verify_file(ckpt, os.path.join("optimizer", f"{name}_dp000.pt"), meta),
+                                             map_location=engine.device)
+            if meta["distributed_optimizer"] and dp_rank == 0:
+                verify_file(ckpt, os.path.join("optimizer", f"{name}_param_state.pt"), meta)
         if engine.scheduler is not None:
             state["scheduler"] = _torch_load(verify_file(ckpt, "scheduler.pt", meta))
-        state["rng"] = _torch_load(verify_file(ckpt, rng_rel, meta))
+        if "rng" not in state:
+            state["rng"] = _torch_load(verify_file(ckpt, rng_rel, meta))
         state["custom"] = [_torch_load(verify_file(ckpt, os.path.join("custom", f"{i}.pt"), meta))
                            for i in range(len(custom_objects))]
         return state
@@ -371,19 +465,32 @@ def load_state(input_dir: str, engine, custom_objects=()) -> dict:
             dest.copy_(state["tensors"][key])
     if not meta.get("model_only"):
         # model_only checkpoints (checkpoint_utils) are weights: optimizer, scheduler and RNG start fresh
+        if "optimizer" not in state:
+            import warnings
+
+            warnings.warn(f"load_state: {ckpt} was saved with use_distributed_optimizer={meta['distributed_optimizer']} "
+                          f"over {meta['dp']} data-parallel ranks; its optimizer state does not fit this run's and "
+                          "starts fresh (the weights are loaded)")
         try:
-            engine.optimizer.load_state_dict(state["optimizer"])
+            if "optimizer" in state:
+                engine.optimizer.load_state_dict(state["optimizer"])
         except (ValueError, KeyError, RuntimeError) as err:
             raise MegatronPluginConfigError(
                 "load_state", os.path.join(ckpt, "optimizer"),
                 f"the optimizer state does not fit this run's optimizer ({err}): was it saved with other parameter "
                 "groups or frozen parameters?",
             ) from None
-        if meta["distributed_optimizer"]:
+        if meta["distributed_optimizer"] and "optimizer" in state:
             engine.optimizer.load_parameter_state(os.path.join(ckpt, "optimizer", f"{name}_param_state.pt"))
         if engine.scheduler is not None:
             engine.scheduler.load_state_dict(state["scheduler"])
-        _set_rng_state(state["rng"], engine)
+        if state["rng"] is not None:
+            _set_rng_state(state["rng"], engine)
+        else:
+            import warnings
+
+            warnings.warn(f"load_state: {ckpt} holds RNG states of {meta['world_size']} processes; this run's "
+                          "random streams (dropout) start from the plugin's seed")
         for obj, saved in zip(custom_objects, state["custom"]):
             obj.load_state_dict(saved)
     engine.iteration = meta["iteration"]

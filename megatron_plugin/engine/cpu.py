@@ -249,6 +249,13 @@ class MegatronEngine(torch.nn.Module):
 
         return megatron_generate(self, inputs, attention_mask, **kwargs)
 
+    def iter_hf_weights(self, grads: bool = False):
+        """(HF name, full tensor) of the whole model, one at a time, on every rank (collective: every rank
+        of the replica consumes it to the end): for pushing weights into an inference engine after a step."""
+        from .export import iter_hf_weights
+
+        return iter_hf_weights(self, grads=grads)
+
     def hf_state_dict(self):
         """The full HF state dict of this pipeline stage (collective over the TP group)."""
         return self.model.hf_state_dict()

@@ -168,7 +168,8 @@ class MegatronReader:
     """A checkpoint written by `accelerator.save_state` or by this package, at any TP/PP/virtual stages.
     `get(name)` rebuilds one HF tensor from the TP shards of the stage that holds it."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, setting: str = "--load_path"):
+        self.setting = setting
         self.ckpt = resolve_checkpoint(path)
         self.meta = read_meta(self.ckpt)
         self.config = hf_config_from_dict(self.meta["hf_config"])
@@ -241,3 +242,56 @@ def parse_size(text: str) -> int:
         raise MegatronPluginConfigError("--max_shard_size", text, "use a size such as 200MB or 5GB")
     unit = (m.group(2) or "B").upper().replace("I", "")
     return int(float(m.group(1)) * {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9}[unit])
+
+
+WEIGHTS_PATTERN = re.compile(r"^model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?$")
+
+
+class HFShardWriter:
+    """Writes HF weights tensor by tensor into `out`: safetensors shards of at most `max_shard_size`,
+    named and indexed as `save_pretrained` names them. At most one shard is held in memory. Shards go
+    to temporary files first; `finish` renames them, writes the index and removes weight files of an
+    earlier save that the new index does not name."""
+
+    def __init__(self, out: str, max_shard_size="10GB", on_shard=None):
+        self.out, self.limit, self.on_shard = out, parse_size(max_shard_size), on_shard
+        self.shards, self.current, self.size, self.total = [], {}, 0, 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        tensor = tensor.detach().to("cpu").contiguous()
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.current and self.size + nbytes > self.limit:
+            self._flush()
+        self.current[name] = tensor
+        self.size += nbytes
+        self.total += nbytes
+
+    def _flush(self):
+        from safetensors.torch import save_file
+
+        if self.current:
+            file = os.path.join(self.out, f".shard-{len(self.shards):05d}.tmp")
+            save_file(self.current, file, metadata={"format": "pt"})
+            self.shards.append((file, list(self.current)))
+            if self.on_shard is not None:
+                self.on_shard(file, self.current)
+            self.current, self.size = {}, 0
+
+    def finish(self) -> list:
+        """The final file names."""
+        self._flush()
+        n = len(self.shards)
+        weight_map, finals = {}, []
+        for i, (file, names) in enumerate(self.shards):
+            final = "model.safetensors" if n == 1 else f"model-{i + 1:05d}-of-{n:05d}.safetensors"
+            os.replace(file, os.path.join(self.out, final))
+            weight_map.update(dict.fromkeys(names, final))
+            finals.append(final)
+        if n > 1:
+            finals.append("model.safetensors.index.json")
+            with open(os.path.join(self.out, finals[-1]), "w") as f:
+                json.dump({"metadata": {"total_size": self.total}, "weight_map": weight_map}, f, indent=2)
+        for old in os.listdir(self.out):
+            if WEIGHTS_PATTERN.match(old) and old not in finals:
+                os.remove(os.path.join(self.out, old))
+        return finals

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 import warnings
-from typing import Callable, Dict, Optional
+from typing import Callable, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,7 @@ from megatron.core import parallel_state
 from . import ModelFamily
 from .gpt import padded_vocab_size
 from ..errors import MegatronPluginConfigError
-from .mapping import Dims, StagePlan, expand, mcore_to_hf, read_shard
+from .mapping import TRANSFORMS, Dims, StagePlan, expand, mcore_to_hf, read_shard
 
 # HF tensors that are not weights (buffers some transformers versions keep in state dicts)
 _IGNORED_HF = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
@@ -99,7 +99,7 @@ def load_hf_into_mcore(
 
 
 @torch.no_grad()
-def gather_hf_state_dict(
+def iter_hf_tensors(
     model: torch.nn.Module,
     family: ModelFamily,
     hf_config,
@@ -109,10 +109,10 @@ def gather_hf_state_dict(
     variant: str,
     grads: bool = False,
     group: Optional[dist.ProcessGroup] = None,
-) -> Dict[str, torch.Tensor]:
-    """All-gather this stage's TP shards and return the HF tensors of the stage (names as in the
-    mapping table; strip `family.prefix(variant)` for the variant's own names). With `grads`, the same
-    for the parameters' gradients. Call on every rank of the TP group."""
+) -> Iterator[Tuple[str, torch.Tensor]]:
+    """This stage's HF tensors, one Megatron tensor's worth at a time: its TP shards all-gathered and
+    converted (names as in the mapping table; strip `family.prefix(variant)` for the variant's own). With
+    `grads`, the parameters' gradients. Call on every rank of the TP group, consuming it to the end."""
     group = group or parallel_state.get_tensor_model_parallel_group()
     tp = dist.get_world_size(group)
     local = _mcore_state(model)
@@ -126,7 +126,29 @@ def gather_hf_state_dict(
         dist.all_gather(parts, mine, group=group)
         return parts
 
-    return dict(mcore_to_hf(shards, rules, dims, plan))
+    return mcore_to_hf(shards, rules, dims, plan)
+
+
+def gather_hf_state_dict(model, family, hf_config, plan, dims, *, variant, grads=False, group=None) -> Dict[str, torch.Tensor]:
+    """All of `iter_hf_tensors` as a dict."""
+    return dict(iter_hf_tensors(model, family, hf_config, plan, dims, variant=variant, grads=grads, group=group))
+
+
+def hf_tensor_headers(family: ModelFamily, hf_config, plan: StagePlan, dims: Dims, variant: str, tp: int,
+                      local: Dict[str, torch.Tensor]) -> list:
+    """[(HF name, shape, dtype)] of what `iter_hf_tensors` yields for this stage, in order, without
+    gathering anything (the transforms run on meta tensors)."""
+    out = []
+    for rule, hf_names, mcore_name in expand(family.table(hf_config, variant), plan):
+        if rule.stage == "tied_output":
+            continue
+        shape = list(local[mcore_name].shape)
+        if rule.tp_dim is not None:
+            shape[rule.tp_dim] *= tp
+        full = torch.empty(shape, dtype=local[mcore_name].dtype, device="meta")
+        for name, t in zip(hf_names, TRANSFORMS[rule.transform].to_hf(full, dims)):
+            out.append((name, tuple(t.shape), t.dtype))
+    return out
 
 
 def mcore_to_hf_sources(family: ModelFamily, hf_config, plan: StagePlan, variant: str) -> Dict[str, tuple]:
