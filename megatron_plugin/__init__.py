@@ -23,6 +23,8 @@ _EXPORTS = {
     "GPTTrainStep": "train_steps",
     "BertTrainStep": "train_steps",
     "T5TrainStep": "train_steps",
+    "PolicyGradientTrainStep": "train_steps",
+    "DPOTrainStep": "train_steps",
     "avg_losses_across_data_parallel_group": "train_steps",
     "gather_across_data_parallel_groups": "train_steps",
 }

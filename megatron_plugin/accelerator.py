@@ -171,6 +171,8 @@ class Accelerator(accelerate.Accelerator):
             import train_steps
 
             step_cls = getattr(train_steps, family.train_step)
+        if hasattr(step_cls, "check_kwargs"):
+            step_cls.check_kwargs(dict(plugin.custom_train_step_kwargs))
         whole = StagePlan.single(family.num_layers(hf_model.config))
         trainable_flags(hf_model, optimizers[0], mcore_to_hf_sources(family, hf_model.config, whole, variant))
         reader = weights_reader(hf_model, plugin, family, variant)
@@ -193,7 +195,8 @@ class Accelerator(accelerate.Accelerator):
         micro = max(dl.batch_size for dl in loaders)
         plugin.micro_batch_size = micro
         plugin.global_batch_size = micro * plugin.num_micro_batches * layout.dp_size
-        step = step_cls(megatron_args(plugin, model, micro, layout.dp_size), **plugin.custom_train_step_kwargs)
+        step_args = megatron_args(plugin, model, micro, layout.dp_size)
+        step = step_cls(step_args, **plugin.custom_train_step_kwargs)
         if self.device.type == "cuda":
             from .engine.gpu import MegatronCoreEngine
 
@@ -204,6 +207,7 @@ class Accelerator(accelerate.Accelerator):
             inner = rebuild_optimizer(optimizers[0], hf_model, sources, dict(model.module.named_parameters()))
             sched = build_scheduler(schedulers[0], inner, plugin) if schedulers else None
             engine = MegatronEngine(chunks, inner, sched, plugin, step, layout.device, autocast_dtype=dtype)
+        engine.megatron_args = step_args
         self._engine = engine
         opt_wrapper = MegatronLMOptimizerWrapper(engine.optimizer, engine)
         sched_wrapper = MegatronLMSchedulerWrapper(engine.scheduler, engine.optimizer) if engine.scheduler else None
@@ -253,6 +257,7 @@ class Accelerator(accelerate.Accelerator):
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         if output_dir is None:
             raise MegatronPluginConfigError("save_state(output_dir)", None, "pass the folder to save into")
+        self._engine._check_ready("save_state")
         return checkpoint.save_state(
             output_dir, self._engine, self._custom_objects, distributed_optimizer=self._megatron.use_distributed_optimizer
         )
@@ -260,6 +265,7 @@ class Accelerator(accelerate.Accelerator):
     def load_state(self, input_dir: str | None = None, **kwargs):
         if self._megatron is None:
             return super().load_state(input_dir, **kwargs)
+        self._engine._check_ready("load_state")
         return checkpoint.load_state(input_dir, self._engine, self._custom_objects)
 
     def get_state_dict(self, model, unwrap=True):
@@ -268,6 +274,7 @@ class Accelerator(accelerate.Accelerator):
             return super().get_state_dict(model, unwrap)
         from .engine.export import full_state_dict
 
+        self._engine._check_ready("get_state_dict")
         return full_state_dict(self._engine)
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
@@ -278,4 +285,30 @@ class Accelerator(accelerate.Accelerator):
                                       safe_serialization=safe_serialization)
         from .engine.export import save_model
 
+        self._engine._check_ready("save_model")
         return save_model(self._engine, save_directory, max_shard_size, safe_serialization)
+
+    # -- post-training ----------------------------------------------------------------------------
+    def offload(self, model=None, params: bool = True, grads: bool = True, optimizer: bool = True):
+        """Free the GPU memory of the prepared model: parameters, gradients and optimizer state go to pinned
+        host memory (e.g. while a rollout engine generates). `reload()` brings them back bit for bit;
+        until then the model refuses to run. Returns bytes moved per kind."""
+        if self._megatron is None:
+            raise MegatronPluginConfigError("offload", "without a MegatronLMPlugin",
+                                            "offload/reload are for Megatron runs: pass megatron_lm_plugin")
+        if self._engine is None:
+            raise MegatronPluginConfigError("offload", "before prepare", "call accelerator.prepare(...) first")
+        self._check_prepared_model("offload(model)", model)
+        return self._engine.offload(params=params, grads=grads, optimizer=optimizer)
+
+    def reload(self, model=None):
+        """Bring back to the GPU what `offload()` moved to host memory."""
+        if self._megatron is None or self._engine is None:
+            raise MegatronPluginConfigError("reload", "nothing prepared", "call accelerator.prepare(...) and offload() first")
+        self._check_prepared_model("reload(model)", model)
+        return self._engine.reload()
+
+    def _check_prepared_model(self, what, model):
+        if model is not None and model is not self._engine:
+            raise MegatronPluginConfigError(what, type(model).__name__,
+                                            "pass the model accelerator.prepare returned (or nothing: there is one)")

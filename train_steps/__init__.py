@@ -6,15 +6,21 @@ The API is accelerate's (`AbstractTrainStep`, `GPTTrainStep`, `get_batch_func`, 
 
 from .base import AbstractTrainStep
 from .bert import BertTrainStep
+from .dpo import DPOTrainStep
 from .gpt import GPTTrainStep
+from .policy import PolicyGradientTrainStep, PolicyOutput
 from .t5 import T5TrainStep
-from .utils import avg_losses_across_data_parallel_group, gather_across_data_parallel_groups
+from .utils import avg_losses_across_data_parallel_group, gather_across_data_parallel_groups, per_token_log_probs
 
 __all__ = [
     "AbstractTrainStep",
     "BertTrainStep",
+    "DPOTrainStep",
     "GPTTrainStep",
+    "PolicyGradientTrainStep",
+    "PolicyOutput",
     "T5TrainStep",
     "avg_losses_across_data_parallel_group",
     "gather_across_data_parallel_groups",
+    "per_token_log_probs",
 ]

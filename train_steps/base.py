@@ -4,9 +4,15 @@ class AbstractTrainStep:
     - `get_batch(data_iterator)`: the next micro-batch as Megatron inputs,
     - `forward_step(data_iterator, model) -> (output_tensor, loss_func_of(output_tensor))`,
     - `loss_func(..., output_tensor) -> (loss, {"name": data-parallel-averaged value})`.
+
+    Class attributes the engine reads: `input_key`, the batch key whose [rows, tokens] shape lays out
+    the micro-batches; `loss_log_key`, the logged value returned as the output's `.loss` (None: the
+    sum of the logged scalars, as accelerate does).
     """
 
     model_output_class = None
+    input_key = "input_ids"
+    loss_log_key = None
 
     def __init__(self, name):
         self.name = name
@@ -24,3 +30,25 @@ class AbstractTrainStep:
         """How many tokens of this (whole, local) batch carry a loss, as a tensor; None if unknown. The
         engine skips a step whose global batch has none, rather than stepping on a zero loss."""
         return None
+
+    def check_batch(self, batch):
+        """An exception (MegatronPluginConfigError) for a batch this step cannot use, else None. Called on
+        the whole local batch before any collective; every rank raises if one rank's batch is bad."""
+        return None
+
+    def schedule_shape(self, micro_batch):
+        """(rows, tokens) of the activations one micro-batch sends between pipeline stages."""
+        rows, tokens = micro_batch[self.input_key].shape[:2]
+        return rows, tokens
+
+    def forward_logits(self, data, model):
+        """Forward one micro-batch (a dict) without a loss, for `engine.compute_log_probs`. Returns
+        (output, targets, shift): output is the logits [b, s, vocab / tp] on the last pipeline stage
+        (hidden states on the others); targets [b, s] the token ids the logits at each position score
+        (-100 where none); shift how many positions later that token sits in the sequence (1 for causal
+        LMs, whose position t scores token t + 1; 0 for T5's decoder and BERT)."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_kwargs(cls, kwargs):
+        """Raise for `custom_train_step_kwargs` this step rejects; runs at prepare, before any process group."""

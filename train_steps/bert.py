@@ -56,6 +56,13 @@ class BertTrainStep(AbstractTrainStep):
 
         return get_batch
 
+    def forward_logits(self, data, model):
+        tokens, types, _, loss_mask, labels, padding = self.get_batch(iter([data]))
+        output = model(tokens, padding, tokentype_ids=types)
+        if unwrap_model(model).post_process:
+            output = output[0]  # the MLM logits, not the binary head's
+        return output, labels.masked_fill(loss_mask == 0, IGNORE_INDEX), 0
+
     def get_loss_func(self, *args, **kwargs):
         def loss_func(loss_mask, sentence_order, output_tensor):
             lm_losses, binary_logits = output_tensor[:2]

@@ -65,6 +65,10 @@ class GPTTrainStep(AbstractTrainStep):
 
         return get_batch
 
+    def forward_logits(self, data, model):
+        tokens, labels, loss_mask, attention_mask, position_ids = self.get_batch(iter([data]))
+        return model(tokens, position_ids, attention_mask), labels.masked_fill(loss_mask == 0, IGNORE_INDEX), 1
+
     def get_loss_func(self, *args, **kwargs):
         def loss_func(loss_mask, output_tensor):
             logits = None

@@ -49,6 +49,10 @@ class T5TrainStep(AbstractTrainStep):
 
         return get_batch
 
+    def forward_logits(self, data, model):
+        enc_ids, dec_ids, labels, loss_mask, enc, dec, cross = self.get_batch(iter([data]))
+        return model(enc_ids, dec_ids, enc, dec, cross), labels.masked_fill(loss_mask == 0, IGNORE_INDEX), 0
+
     def get_loss_func(self, *args, **kwargs):
         def loss_func(loss_mask, output_tensor):
             logits = None

@@ -24,3 +24,24 @@ def gather_across_data_parallel_groups(tensor):
         return torch.cat(parts, dim=0)
 
     return recursively_apply(_gather, tensor, error_on_other_type=True)
+
+
+def shift_to_tokens(values, shift: int):
+    """Move per-position values [b, s] computed at the positions that score a token to the token's own
+    position (`shift` places later); the first `shift` positions, which no position scores, get 0."""
+    if not shift:
+        return values
+    return torch.cat([values.new_zeros(values.shape[0], shift), values[:, :-shift]], dim=1)
+
+
+def per_token_log_probs(logits, targets, shift: int, true_vocab: int, temperature: float = 1.0, entropy: bool = False):
+    """Log-probabilities of the target tokens, token-aligned: out[:, t] = log p(token t | what precedes it),
+    0 where the target is -100 and at the first `shift` positions; with `entropy`, also the entropy of
+    the distribution that scores token t. Computed on this TP rank's vocabulary slice (`logits` [b, s,
+    vocab / tp]), differentiable, fp32. Use it in custom RL losses."""
+    from megatron_plugin.layers.cross_entropy import vocab_parallel_entropy, vocab_parallel_log_probs
+
+    log_probs = shift_to_tokens(vocab_parallel_log_probs(logits, targets, true_vocab, temperature), shift)
+    if not entropy:
+        return log_probs
+    return log_probs, shift_to_tokens(vocab_parallel_entropy(logits, true_vocab, temperature), shift)

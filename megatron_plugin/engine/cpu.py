@@ -60,37 +60,68 @@ class MegatronEngine(torch.nn.Module):
 
     # -- the step -------------------------------------------------------------------------------
     def forward(self, **batch):
-        micro_batches = self._split(batch)
-        cls = self.train_step_handler.model_output_class
-        if not self._check_batch(batch):
+        self._check_ready("model(**batch)")
+        step = self.train_step_handler
+        micro_batches = self._split(batch, step)
+        cls = step.model_output_class
+        if not self._check_batch(batch, step):
             # no token of the whole step carries a loss: say so, and leave the weights alone
             self.last_step_skipped = True
             if self.training:
                 self.iteration += 1
             nan = torch.full((), float("nan"), device=self.device)
-            return cls(loss=nan, logits=None) if cls is not None else nan
-        with self.rng.active():
+            self.metrics = {}
+            return self._output(cls, nan, None, {})
+        with self._busy(), self.rng.active():
             if self.training:
                 logs = self._train_step(micro_batches)
                 logits = None
             else:
                 with torch.no_grad():
                     logs, logits = self._eval_step(micro_batches)
-        loss = sum(logs.values()) if logs else torch.zeros((), device=self.device)
-        return cls(loss=loss, logits=logits) if cls is not None else loss
+        self.metrics = logs
+        key = step.loss_log_key
+        if key is not None and key in logs:
+            loss = logs[key]
+        else:
+            loss = sum(logs.values()) if logs else torch.zeros((), device=self.device)
+        return self._output(cls, loss, logits, logs)
 
-    def _split(self, batch) -> List[Dict[str, torch.Tensor]]:
+    @staticmethod
+    def _output(cls, loss, logits, logs):
+        if cls is None:
+            return loss
+        extra = {"metrics": dict(logs)} if "metrics" in getattr(cls, "__dataclass_fields__", {}) else {}
+        return cls(loss=loss, logits=logits, **extra)
+
+    @contextlib.contextmanager
+    def _busy(self):
+        self._in_step = True
+        try:
+            yield
+        finally:
+            self._in_step = False
+
+    def _check_ready(self, what: str):
+        if getattr(self, "_offload", None) is not None and self._offload.active:
+            raise MegatronPluginConfigError(
+                what, "called while the model is offloaded",
+                "call accelerator.reload() (engine.reload()) first, after accelerator.offload()",
+            )
+
+    def _split(self, batch, step) -> List[Dict[str, torch.Tensor]]:
+        key = step.input_key
         if not batch:
             raise MegatronPluginConfigError("batch", {}, "pass the dataloader's batch: model(**batch)")
         tensors = {k: v for k, v in batch.items() if torch.is_tensor(v)}
-        if "input_ids" not in tensors:
+        if key not in tensors:
             raise MegatronPluginConfigError(
-                "batch", sorted(batch), "the batch needs 'input_ids' (a [batch, sequence] tensor of token ids)"
+                "batch", sorted(batch), f"the batch needs {key!r} (a [batch, sequence] tensor of token ids)"
             )
-        ids = tensors["input_ids"]
+        ids = tensors[key]
         if ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] == 0 or ids.is_floating_point():
             raise MegatronPluginConfigError(
-                "input_ids", f"{ids.dtype} tensor of shape {tuple(ids.shape)}",
+                key, f"{ids.dtype} tensor of shape {tuple(ids.shape)}",
                 "pass integer token ids shaped [batch, sequence] with at least one row and one token",
             )
         n = self.plugin.num_micro_batches
@@ -104,49 +135,57 @@ class MegatronEngine(torch.nn.Module):
         for k, v in tensors.items():
             if v.dim() == 0 or v.shape[0] != size:
                 raise MegatronPluginConfigError(
-                    f"batch[{k!r}]", tuple(v.shape), f"every tensor of the batch needs the {size} rows of input_ids first"
+                    f"batch[{k!r}]", tuple(v.shape), f"every tensor of the batch needs the {size} rows of {key} first"
                 )
         batch = {k: v.to(self.device) for k, v in tensors.items()}
         return [{k: v.chunk(n)[i] for k, v in batch.items()} for i in range(n)]
 
-    def _check_batch(self, batch) -> bool:
-        """Refuse token ids or labels the model cannot have, or a sequence longer than its positions, on
-        every rank alike (one small all-reduce, so no rank is left waiting in a collective). Returns
-        False when no token of the whole step carries a loss."""
+    def _check_batch(self, batch, step, need_loss: bool = True) -> bool:
+        """Refuse token ids or labels the model cannot have, a sequence longer than its positions, or (for
+        a loss, `need_loss`) a batch the train step rejects, on every rank alike (one small all-reduce, so
+        no rank is left waiting in a collective). Returns False when no token of the whole step carries a
+        loss."""
         cfg = self.model.hf_config
         vocab = cfg.vocab_size
-        ids = batch["input_ids"]
-        labels = batch.get("labels")
+        id_keys = sorted({k for k, v in batch.items() if k.endswith("input_ids") and torch.is_tensor(v)} | {step.input_key})
+        label_keys = [k for k, v in batch.items() if k.endswith("labels") and torch.is_tensor(v)]
         limit = self.model.family.position_limit(cfg)
-        local = torch.zeros(4, dtype=torch.int64, device=self.device)
-        ids_bad = (ids.min() < 0) | (ids.max() >= vocab)
-        decoder_ids = batch.get("decoder_input_ids")
-        if torch.is_tensor(decoder_ids):
-            ids_bad = ids_bad | (decoder_ids.min() < 0) | (decoder_ids.max() >= vocab)
-        local[0] = ids_bad.to(self.device)
-        if torch.is_tensor(labels):
-            labels = labels.to(self.device)
-            local[1] = (((labels < 0) & (labels != -100)) | (labels >= vocab)).any()
-        local[2] = int(limit is not None and ids.shape[1] > limit)
-        tokens = self.train_step_handler.count_loss_tokens(batch)
+        local = torch.zeros(5, dtype=torch.int64, device=self.device)
+        bad_ids = [k for k in id_keys if batch[k].numel() and (batch[k].min() < 0 or batch[k].max() >= vocab)]
+        local[0] = bool(bad_ids)
+        bad_labels = [k for k in label_keys if (((batch[k] < 0) & (batch[k] != -100)) | (batch[k] >= vocab)).any()]
+        local[1] = bool(bad_labels)
+        length = max(batch[k].shape[1] for k in id_keys if batch[k].dim() == 2)
+        local[2] = int(limit is not None and length > limit)
+        tokens = step.count_loss_tokens(batch) if need_loss else None
         local[3] = 1 if tokens is None else tokens.to(self.device)
+        try:
+            error = step.check_batch(batch) if need_loss else None
+        except Exception as e:  # raised below, once every rank knows
+            error = e
+        local[4] = error is not None
         status = local.clone()
         dist.all_reduce(status)
-        bad_ids, bad_labels, too_long, tokens = status.tolist()
-        here = " (this rank's batch)" if local[:3].any() else " (another rank's batch)"
-        if bad_ids:
+        bad_id, bad_label, too_long, tokens, bad_step = status.tolist()
+        here = " (this rank's batch)" if (local[:3].any() or local[4]) else " (another rank's batch)"
+        if bad_step:
+            if error is not None:
+                raise error
+            raise MegatronPluginConfigError("batch", "rejected by the train step" + here, "see the error on that rank")
+        if bad_id:
+            k = bad_ids[0] if bad_ids else "input_ids"
             raise MegatronPluginConfigError(
-                "input_ids", f"ids outside [0, {vocab}){here}" + (f": min {int(ids.min())}, max {int(ids.max())}" if local[0] else ""),
+                k, f"ids outside [0, {vocab}){here}" + (f": min {int(batch[k].min())}, max {int(batch[k].max())}" if bad_ids else ""),
                 f"the model's vocabulary has {vocab} entries: use its tokenizer (or resize_token_embeddings before prepare)",
             )
-        if bad_labels:
+        if bad_label:
             raise MegatronPluginConfigError(
-                "labels", f"ids outside [0, {vocab}) other than -100{here}",
+                bad_labels[0] if bad_labels else "labels", f"ids outside [0, {vocab}) other than -100{here}",
                 "labels are token ids of the model's vocabulary, or -100 for positions without loss",
             )
         if too_long:
             raise MegatronPluginConfigError(
-                "sequence length", f"{ids.shape[1]} > {limit}{here}" if local[2] else f"> {limit}{here}",
+                "sequence length", f"{length} > {limit}{here}" if local[2] else f"> {limit}{here}",
                 f"the model has {limit} positions: cut the sequences (block_size / max_length) to at most {limit}",
             )
         if tokens == 0:
@@ -162,10 +201,10 @@ class MegatronEngine(torch.nn.Module):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
-    def _forward_micro_batch(self, micro_batch):
-        step = self.train_step_handler
+    def _forward_micro_batch(self, micro_batch, forward_step=None):
+        forward_step = forward_step or self.train_step_handler.forward_step
         with self._autocast():
-            output_tensor, loss_func = step.forward_step(iter([micro_batch]), self.model.module)
+            output_tensor, loss_func = forward_step(iter([micro_batch]), self.model.module)
             return output_tensor, loss_func(output_tensor)
 
     def _train_step(self, micro_batches):
@@ -242,11 +281,112 @@ class MegatronEngine(torch.nn.Module):
                 p.grad.mul_(coef)
         return norm
 
+    # -- post-training --------------------------------------------------------------------------------
+    def compute_log_probs(self, batch, temperature: float = 1.0, entropy: bool = False):
+        """Forward only, in eval mode (no dropout): token-aligned log-probabilities [b, s] (fp32) of the
+        batch's tokens, out[:, t] = log p(token t | what precedes it) under softmax(logits / temperature);
+        0 where nothing scores a token (the first position of a causal LM, labels of -100). The batch is
+        what the train step takes (input_ids, attention_mask, labels, position_ids / T5's labels / BERT's
+        labels). With `entropy`, returns (log_probs, entropy). Computed vocab-parallel over TP, micro-batch by
+        micro-batch through the pipeline; every rank gets the result. Collective over the model replica."""
+        from .logprobs import check_temperature, log_prob_forward_step
+
+        self._check_ready("compute_log_probs")
+        temperature = check_temperature(temperature)
+        if not isinstance(entropy, bool):
+            raise MegatronPluginConfigError("entropy", entropy, "pass True or False")
+        step = self._logits_step()
+        micro_batches = self._split(batch, step)
+        self._check_batch(batch, step, need_loss=False)
+        forward_step = log_prob_forward_step(step, self.model.hf_config.vocab_size, temperature, entropy)
+        was_training = self.training
+        self.train(False)
+        try:
+            with self._busy(), self.rng.active(), torch.no_grad():
+                collected = self._forward_only(micro_batches, forward_step)
+        finally:
+            self.train(was_training)
+        log_probs = self._rows(collected, "log_probs")
+        return (log_probs, self._rows(collected, "entropy")) if entropy else log_probs
+
+    def _logits_step(self):
+        """The train step to ask for logits: the user's, if it (or its base class) defines
+        `forward_logits` for plain batches (input_ids first), else the family's own step."""
+        from train_steps.base import AbstractTrainStep
+
+        family = self.model.family
+        if self.model.variant not in family.trainable_variants:
+            raise MegatronPluginConfigError(
+                "model", family.classes.get(self.model.variant, self.model.variant),
+                "log-probabilities need the model's LM head: prepare a model with one (e.g. ...ForCausalLM)",
+            )
+        handler = self.train_step_handler
+        if type(handler).forward_logits is not AbstractTrainStep.forward_logits and handler.input_key == "input_ids":
+            return handler
+        if getattr(self, "_family_step", None) is None:
+            import train_steps
+
+            self._family_step = getattr(train_steps, family.train_step)(self.megatron_args)
+        return self._family_step
+
+    def _forward_only(self, micro_batches, forward_step):
+        collected = []
+        for mb in micro_batches:
+            _, (_, logs) = self._forward_micro_batch(mb, forward_step)
+            collected.append(logs)
+        return collected
+
+    def _rows(self, collected, key):
+        return torch.cat([c[key] for c in collected])
+
+    def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True):
+        """Move the parameters, gradients and optimizer state to host memory (pinned, on CUDA) and free
+        their device memory, e.g. for a rollout engine between training phases. `reload()` brings them
+        back bit for bit. Returns bytes moved per kind. Not while a step runs."""
+        from .offload import Offload
+
+        if getattr(self, "_in_step", False):
+            raise MegatronPluginConfigError(
+                "offload", "called while a step runs", "offload between steps: after model(**batch) has returned"
+            )
+        if getattr(self, "_offload", None) is None:
+            self._offload = Offload(self.device)
+        return self._offload.offload(self._offload_groups(params, grads, optimizer))
+
+    def reload(self):
+        """Bring back what `offload()` moved to host memory (a no-op when nothing is offloaded)."""
+        if getattr(self, "_in_step", False):
+            raise MegatronPluginConfigError("reload", "called while a step runs", "reload between steps")
+        if getattr(self, "_offload", None) is None:
+            return {}
+        return self._offload.reload()
+
+    @property
+    def is_offloaded(self) -> bool:
+        return getattr(self, "_offload", None) is not None and self._offload.active
+
+    def _offload_groups(self, params: bool, grads: bool, optimizer: bool):
+        from .optimizer import inner_torch_optimizers
+
+        groups = {}
+        if params:
+            groups["params"] = [t for c in self.chunks for t in [*c.module.parameters(), *c.module.buffers()]]
+        if grads:
+            groups["grads"] = [g for c in self.chunks for p in c.module.parameters()
+                               for g in (p.grad, getattr(p, "main_grad", None)) if torch.is_tensor(g)]
+        if optimizer:
+            opts = [self.optimizer] if isinstance(self.optimizer, torch.optim.Optimizer) else inner_torch_optimizers(self.optimizer)
+            groups["optimizer"] = [t for o in opts for t in
+                                   [*(p for g in o.param_groups for p in g["params"]),
+                                    *(v for st in o.state.values() for v in st.values() if torch.is_tensor(v))]]
+        return groups
+
     # -- conveniences -----------------------------------------------------------------------------
     def megatron_generate(self, inputs, attention_mask=None, **kwargs):
         """Generate with the tensor-parallel model (see `megatron_plugin.generation.generate`)."""
         from ..generation.generate import megatron_generate
 
+        self._check_ready("megatron_generate")
         return megatron_generate(self, inputs, attention_mask, **kwargs)
 
     def iter_hf_weights(self, grads: bool = False):
@@ -254,6 +394,7 @@ class MegatronEngine(torch.nn.Module):
         of the replica consumes it to the end): for pushing weights into an inference engine after a step."""
         from .export import iter_hf_weights
 
+        self._check_ready("iter_hf_weights")
         return iter_hf_weights(self, grads=grads)
 
     def hf_state_dict(self):

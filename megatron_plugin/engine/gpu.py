@@ -94,9 +94,10 @@ class MegatronCoreEngine(MegatronEngine):
             m.train(mode)
         return self
 
-    def _run_schedule(self, micro_batches, forward_only: bool):
+    def _run_schedule(self, micro_batches, forward_only: bool, forward_step=None, step=None):
         n = len(micro_batches)
-        b, s = micro_batches[0]["input_ids"].shape
+        step = step or self.train_step_handler
+        b, s = step.schedule_shape(micro_batches[0])
         tp = parallel_state.get_tensor_model_parallel_world_size()
         if self.plugin.sequence_parallelism and s % tp:
             raise MegatronPluginConfigError(
@@ -105,7 +106,7 @@ class MegatronCoreEngine(MegatronEngine):
         chunks = list(self.wrapped)
         iters = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
         return get_forward_backward_func()(
-            forward_step_func=self.train_step_handler.forward_step,
+            forward_step_func=forward_step or step.forward_step,
             data_iterator=iters,
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=n,
@@ -131,6 +132,24 @@ class MegatronCoreEngine(MegatronEngine):
         collected = self._run_schedule(micro_batches, forward_only=True)
         logits = self._collect_logits(collected) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None
         return self._share_from_last_stage(_average_logs(collected)), logits
+
+    def _forward_only(self, micro_batches, forward_step):
+        return self._run_schedule(micro_batches, forward_only=True, forward_step=forward_step, step=self._logits_step())
+
+    def _rows(self, collected, key):
+        """The micro-batches' [b, s] outputs, concatenated on the last stage and sent to the other stages."""
+        if parallel_state.get_pipeline_model_parallel_world_size() == 1:
+            return super()._rows(collected, key)
+        last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
+        group = parallel_state.get_pipeline_model_parallel_group()
+        src = parallel_state.get_pipeline_model_parallel_last_rank()
+        out = super()._rows(collected, key).float().contiguous() if last else None
+        shape = [tuple(out.shape) if last else None]
+        dist.broadcast_object_list(shape, src=src, group=group)
+        if not last:
+            out = torch.empty(shape[0], dtype=torch.float32, device=self.device)
+        dist.broadcast(out, src=src, group=group)
+        return out
 
     def _share_from_last_stage(self, logs):
         """Losses exist on the last pipeline stage; give every stage the same values."""

@@ -1,0 +1,138 @@
+"""Direct Preference Optimization as a train step."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+
+from .gpt import IGNORE_INDEX, GPTTrainStep
+from .policy import PolicyOutput, _error, check_known, check_number
+from .utils import avg_losses_across_data_parallel_group, per_token_log_probs, shift_to_tokens
+
+SIDES = ("chosen", "rejected")
+
+
+def _pad_to(t, length, value):
+    return t if t.shape[1] == length else F.pad(t, (0, length - t.shape[1]), value=value)
+
+
+def _labels(data, side):
+    labels = data.get(f"{side}_labels")
+    if labels is None:
+        ids, mask = data[f"{side}_input_ids"], data.get(f"{side}_attention_mask")
+        labels = ids if mask is None else ids.masked_fill(mask == 0, IGNORE_INDEX)
+    return labels
+
+
+def concatenated(data):
+    """chosen_* and rejected_* as one causal-LM batch (chosen rows first), padded on the right to the
+    longer of the two."""
+    length = max(data[f"{side}_input_ids"].shape[1] for side in SIDES)
+    parts = {"input_ids": [], "attention_mask": [], "labels": []}
+    for side in SIDES:
+        ids = data[f"{side}_input_ids"]
+        mask = data.get(f"{side}_attention_mask", torch.ones_like(ids))
+        parts["input_ids"].append(_pad_to(ids, length, 0))
+        parts["attention_mask"].append(_pad_to(mask, length, 0))
+        parts["labels"].append(_pad_to(_labels(data, side), length, IGNORE_INDEX))
+    return {k: torch.cat(v) for k, v in parts.items()}
+
+
+class DPOTrainStep(GPTTrainStep):
+    """DPO (sigmoid loss) on causal LMs (GPT-2, the Llama family).
+
+    Batch: `chosen_input_ids`, `chosen_attention_mask`, `chosen_labels` (the tokens, -100 on the prompt and
+    padding) and the same three `rejected_*` keys (each side padded on its own; they are padded to the
+    longer one here), and `ref_chosen_logps`, `ref_rejected_logps` [b]: the reference model's summed
+    log-probabilities of the labelled tokens, e.g. `model.compute_log_probs({"input_ids": ..., "attention_mask":
+    ..., "labels": ...}).sum(-1)` before training.
+
+    loss = -(1 - label_smoothing) log sigmoid(beta m) - label_smoothing log sigmoid(-beta m), with
+    m = (log p(chosen) - ref_chosen) - (log p(rejected) - ref_rejected), averaged over the pairs. Logs
+    'loss', 'reward accuracy', 'chosen reward', 'rejected reward', 'reward margin'.
+    `custom_train_step_kwargs`: beta (0.1), label_smoothing (0).
+    """
+
+    model_output_class = PolicyOutput
+    loss_log_key = "loss"
+    input_key = "chosen_input_ids"
+    KWARGS = ("beta", "label_smoothing")
+
+    def __init__(self, megatron_args, beta=0.1, label_smoothing=0.0, **kwargs):
+        self.check_kwargs(dict(beta=beta, label_smoothing=label_smoothing, **kwargs))
+        self.beta = beta
+        self.label_smoothing = label_smoothing
+        super().__init__(megatron_args)
+        self.name = "DPOTrainStep"
+        self.true_vocab = megatron_args.vocab_size
+
+    @classmethod
+    def check_kwargs(cls, kwargs):
+        check_known(cls, kwargs, cls.KWARGS)
+        check_number("beta", kwargs.get("beta", 0.1), 0.0, inclusive=False)
+        ls = kwargs.get("label_smoothing", 0.0)
+        check_number("label_smoothing", ls)
+        if ls >= 0.5:
+            raise _error("custom_train_step_kwargs['label_smoothing']", ls, "pass a value in [0, 0.5)")
+
+    def schedule_shape(self, micro_batch):
+        rows = micro_batch["chosen_input_ids"].shape[0]
+        return 2 * rows, max(micro_batch[f"{side}_input_ids"].shape[1] for side in SIDES)
+
+    def count_loss_tokens(self, batch):
+        return sum((_labels(batch, side)[:, 1:] != IGNORE_INDEX).sum() for side in SIDES)
+
+    def check_batch(self, batch):
+        for key in ("chosen_input_ids", "rejected_input_ids", "ref_chosen_logps", "ref_rejected_logps"):
+            if not torch.is_tensor(batch.get(key)):
+                how = ("the reference model's summed log-probs of that side's labelled tokens: "
+                       "model.compute_log_probs(...).sum(-1) before training") if key.startswith("ref") else \
+                      "the tokenized prompt + response of that side"
+                return _error(f"batch[{key!r}]", "missing", f"DPOTrainStep needs it: {how}")
+        rows = batch["chosen_input_ids"].shape[0]
+        for side in SIDES:
+            ids = batch[f"{side}_input_ids"]
+            if ids.dim() != 2 or ids.shape[0] != rows:
+                return _error(f"batch['{side}_input_ids']", tuple(ids.shape), f"pass [{rows}, tokens]: one row per pair")
+            for key in (f"{side}_attention_mask", f"{side}_labels"):
+                t = batch.get(key)
+                if torch.is_tensor(t) and t.shape != ids.shape:
+                    return _error(f"batch[{key!r}]", tuple(t.shape),
+                                  f"it must have the shape of {side}_input_ids, {tuple(ids.shape)}: pad both alike")
+            empty = ((_labels(batch, side)[:, 1:] != IGNORE_INDEX).sum(-1) == 0).nonzero()
+            if len(empty):
+                return _error(f"batch['{side}_labels']", f"row {int(empty[0])} has no labelled token",
+                              "each pair needs response tokens on both sides (were they cut by max_length?)")
+        for key in ("ref_chosen_logps", "ref_rejected_logps"):
+            t = batch[key]
+            if tuple(t.shape) != (rows,) or not t.is_floating_point() or not torch.isfinite(t).all():
+                return _error(f"batch[{key!r}]", f"{t.dtype} {tuple(t.shape)}",
+                              f"pass [{rows}] finite floats: one summed log-prob per pair")
+        return None
+
+    def get_forward_step_func(self):
+        def forward_step(data_iterator, model):
+            data = next(data_iterator)
+            output, targets, shift = self.forward_logits(concatenated(data), model)
+            return output, partial(self.loss_func, data, targets, shift)
+
+        return forward_step
+
+    def get_loss_func(self, *args, **kwargs):
+        def loss_func(data, targets, shift, output_tensor):
+            log_probs = per_token_log_probs(output_tensor, targets, shift, self.true_vocab)
+            summed = log_probs.sum(-1)  # 0 where the label is -100
+            rows = data["chosen_input_ids"].shape[0]
+            chosen = self.beta * (summed[:rows] - data["ref_chosen_logps"].float())
+            rejected = self.beta * (summed[rows:] - data["ref_rejected_logps"].float())
+            margin = chosen - rejected
+            ls = self.label_smoothing
+            loss = (-(1 - ls) * F.logsigmoid(margin) - ls * F.logsigmoid(-margin)).mean()
+            values = {"reward accuracy": (chosen > rejected).float().mean(), "chosen reward": chosen.mean(),
+                      "rejected reward": rejected.mean(), "reward margin": margin.mean()}
+            averaged = avg_losses_across_data_parallel_group([loss, *values.values()])
+            return loss, dict(zip(["loss", *values], averaged))
+
+        return loss_func
