@@ -6,7 +6,8 @@ offload and reload; then training goes on and its losses are compared with a run
     python benchmarks/offload_gpu.py --gpus 2        # TP=2 (as --layout says) on two GPUs
 
 Prints one RESULT line per rank (JSON): allocated GiB after a step, after offload, after reload, bytes
-moved per kind, seconds, and whether the losses after reload equal those of the run without offload.
+moved per kind, seconds, whether the losses after reload equal those of the run without offload, and
+the extra device memory while `model.iter_hf_weights()` streams every weight out (vs the largest tensor).
 """
 
 import argparse
@@ -74,6 +75,22 @@ def run(offload, tp):
             acc.reload()
             res[f"reload_{step}_s"] = time.perf_counter() - t
             res["allocated_after_reload_gib"] = torch.cuda.memory_allocated() / gib
+    if offload:
+        # weights streamed out one HF tensor at a time (as pushed into a rollout engine): the extra device
+        # memory while streaming, against the largest tensor
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        largest = count = 0
+        t = time.perf_counter()
+        for name, tensor in model.iter_hf_weights():
+            largest = max(largest, tensor.numel() * tensor.element_size())
+            tensor.to("cpu")
+            count += 1
+        res["stream_s"] = time.perf_counter() - t
+        res["stream_tensors"] = count
+        res["stream_peak_extra_mib"] = (torch.cuda.max_memory_allocated() - base) / 2**20
+        res["largest_tensor_mib"] = largest / 2**20
     return res
 
 

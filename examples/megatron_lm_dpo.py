@@ -23,9 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 from accelerate.utils import set_seed  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
-from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig  # noqa: E402
 
-from megatron_lm_llama_sft import char_tokenizer  # noqa: E402
+from megatron_lm_llama_sft import causal_lm  # noqa: E402
 from megatron_plugin import Accelerator, MegatronLMDummyScheduler  # noqa: E402
 from train_steps import DPOTrainStep  # noqa: E402
 
@@ -118,18 +117,8 @@ def main(argv=None):
     else:
         pairs = larger_digit_preferences(args.num_pairs + args.eval_pairs, args.seed)
     train_pairs, eval_pairs = pairs[: -args.eval_pairs], pairs[-args.eval_pairs:]
-    if args.model_name_or_path:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-        tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
-    else:
-        with accelerator.main_process_first():
-            tokenizer = char_tokenizer(os.path.join(args.output_dir or "outputs", "dpo_tokenizer"))
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.max_length,
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                             eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
-        model = AutoModelForCausalLM.from_config(config)
+    tokenizer, model = causal_lm(args.model_name_or_path, accelerator,
+                                 os.path.join(args.output_dir or "outputs", "dpo_tokenizer"), max_positions=args.max_length)
 
     bs = args.per_device_train_batch_size
     train_loader = DataLoader([encode(p, tokenizer, args.max_length) for p in train_pairs], batch_size=bs,

@@ -71,6 +71,22 @@ def char_tokenizer(save_dir):
     return fast
 
 
+def causal_lm(model_name_or_path, accelerator, tokenizer_dir, max_positions, hidden_size=64):
+    """(tokenizer, model): a local HF causal LM, or a new tiny Llama (2 layers, GQA 4/2 heads, tied
+    embeddings) with a character tokenizer built here, so the examples run without network."""
+    if model_name_or_path:
+        tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+        tokenizer.pad_token = tokenizer.pad_token or tokenizer.eos_token
+        return tokenizer, AutoModelForCausalLM.from_pretrained(model_name_or_path)
+    with accelerator.main_process_first():
+        tokenizer = char_tokenizer(tokenizer_dir)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                         max_position_embeddings=max_positions, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
+    return tokenizer, AutoModelForCausalLM.from_config(config)
+
+
 def encode(pair, tokenizer, max_length):
     """input_ids, attention_mask and labels (-100 on prompt and padding), right-padded to max_length."""
     prompt = tokenizer(pair["prompt"], add_special_tokens=False)["input_ids"]
@@ -119,20 +135,8 @@ def main(argv=None):
         pairs = arithmetic_pairs(args.num_examples + args.eval_questions, args.seed)
     train_pairs, eval_pairs = pairs[: -args.eval_questions], pairs[-args.eval_questions:]
 
-    if args.model_name_or_path:
-        tokenizer = AutoTokenizer.from_pretrained(args.model_name_or_path)
-        if tokenizer.pad_token is None:
-            tokenizer.pad_token = tokenizer.eos_token
-        model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
-    else:
-        tok_dir = os.path.join(args.output_dir or "outputs", "tokenizer")
-        with accelerator.main_process_first():
-            tokenizer = char_tokenizer(tok_dir)
-        config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=args.max_length,
-                             pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
-                             eos_token_id=tokenizer.eos_token_id, tie_word_embeddings=True)
-        model = AutoModelForCausalLM.from_config(config)
+    tokenizer, model = causal_lm(args.model_name_or_path, accelerator, os.path.join(args.output_dir or "outputs", "tokenizer"),
+                                 max_positions=args.max_length, hidden_size=128)
     tokenizer.padding_side = "left"  # prompts for generation; training rows are right-padded by `encode`
 
     train = [encode(p, tokenizer, args.max_length) for p in train_pairs]
