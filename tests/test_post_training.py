@@ -579,3 +579,41 @@ def test_step_kwargs_are_checked_at_prepare():
     got = run_on_ranks(_kwargs_worker, 1)[0]
     for (message, initialized), name in zip(got, ["clip_range", "loss_aggregation", "kl_coeff", "beta", "label_smoothing"]):
         assert name in message and not initialized, (name, message)
+
+
+def _lazy_stream_worker():
+    """Count the TP all-gathers behind iter_hf_weights: the first tensor costs one, not the whole model's."""
+    import torch.distributed as dist
+
+    _, model, _, hf = prepare("llama", 2)
+    calls = []
+    real = dist.all_gather
+
+    def counting(parts, tensor, *args, **kwargs):
+        calls.append(tensor.numel() * len(parts))
+        return real(parts, tensor, *args, **kwargs)
+
+    dist.all_gather = counting
+    try:
+        it = model.iter_hf_weights()
+        name, first = next(it)
+        after_first = len(calls)
+        rest = [(n, t.shape) for n, t in it]
+    finally:
+        dist.all_gather = real
+    shapes = {k: v.shape for k, v in hf.state_dict().items()}
+    return {"first": (name, first.shape == shapes[name]), "after_first": after_first, "total": len(calls),
+            "largest_gather": max(calls),
+            # the embedding, with the vocabulary padded for TP: the largest tensor the model holds
+            "largest_tensor": model.model.module.embedding.word_embeddings.weight.numel() * 2,
+            "all": {name, *(n for n, _ in rest)} == set(shapes),
+            "shapes": all(s == shapes[n] for n, s in rest)}
+
+
+def test_weight_streaming_gathers_one_tensor_at_a_time():
+    for res in run_on_ranks(_lazy_stream_worker, 2):
+        assert res["first"] == ("model.embed_tokens.weight", True), res
+        assert res["after_first"] == 1, res  # the embedding's vocabulary shards only
+        assert res["total"] >= 10 and res["all"] and res["shapes"], res
+        # no gather moves more than one (padded) tensor
+        assert res["largest_gather"] <= res["largest_tensor"], res
