@@ -81,6 +81,22 @@ def weights_reader(hf_model, plugin: MegatronLMPlugin, family, variant: str):
     return reader
 
 
+def check_step_family(step_cls, family) -> None:
+    """A custom step built on one family's step (GPTTrainStep, BertTrainStep, T5TrainStep: the policy and DPO
+    steps are GPT steps) reads batches and outputs of that family's model only; one built on
+    AbstractTrainStep directly is the user's to match."""
+    import train_steps
+
+    own = getattr(train_steps, family.train_step)
+    for base in (train_steps.GPTTrainStep, train_steps.BertTrainStep, train_steps.T5TrainStep):
+        if issubclass(step_cls, base) and not issubclass(own, base) and not issubclass(step_cls, own):
+            raise MegatronPluginConfigError(
+                "custom_train_step_class", step_cls.__name__,
+                f"it is a {base.__name__}, for other models than this {family.name} model ({family.train_step}): "
+                f"subclass {family.train_step}, or pass a model the step is for",
+            )
+
+
 class Accelerator(accelerate.Accelerator):
     def __init__(self, *args, megatron_lm_plugin: Optional[MegatronLMPlugin] = None, **kwargs):
         use_megatron = megatron_lm_plugin is not None or os.environ.get(_ENV_FLAG, "false").lower() == "true"
@@ -171,6 +187,8 @@ class Accelerator(accelerate.Accelerator):
             import train_steps
 
             step_cls = getattr(train_steps, family.train_step)
+        else:
+            check_step_family(step_cls, family)
         if hasattr(step_cls, "check_kwargs"):
             step_cls.check_kwargs(dict(plugin.custom_train_step_kwargs))
         whole = StagePlan.single(family.num_layers(hf_model.config))

@@ -3,6 +3,7 @@ gradients of the policy-gradient and DPO losses against HF autograd of the same 
 bit for bit, weights streamed out after training, and the errors for bad batches."""
 
 import os
+import re
 
 import pytest
 import torch
@@ -562,10 +563,13 @@ def _kwargs_worker():
         (DPOTrainStep, {"beta": 0.0}),
         (DPOTrainStep, {"label_smoothing": 0.5}),
     ]
+    from train_steps import GPTTrainStep
+
+    cases += [(PolicyGradientTrainStep, {}, "t5"), (GPTTrainStep, {}, "bert")]  # steps of another family
     out = []
-    for cls, kwargs in cases:
+    for cls, kwargs, *model in cases:
         plugin = MegatronLMPlugin(custom_train_step_class=cls, custom_train_step_kwargs=kwargs)
-        hf = tiny_gpt2()
+        hf = {"t5": lambda: tiny_t5(), "bert": lambda: tiny_bert()}[model[0]]() if model else tiny_gpt2()
         loader = DataLoader([{"input_ids": torch.zeros(4, dtype=torch.long)}] * 4, batch_size=2)
         try:
             Accelerator(megatron_lm_plugin=plugin).prepare(hf, torch.optim.AdamW(hf.parameters()), loader)
@@ -577,8 +581,11 @@ def _kwargs_worker():
 
 def test_step_kwargs_are_checked_at_prepare():
     got = run_on_ranks(_kwargs_worker, 1)[0]
-    for (message, initialized), name in zip(got, ["clip_range", "loss_aggregation", "kl_coeff", "beta", "label_smoothing"]):
-        assert name in message and not initialized, (name, message)
+    names = ["clip_range", "loss_aggregation", "kl_coeff", "beta", "label_smoothing",
+             "PolicyGradientTrainStep.*T5TrainStep", "GPTTrainStep.*BertTrainStep"]
+    assert len(got) == len(names)
+    for (message, initialized), name in zip(got, names):
+        assert re.search(name, message) and not initialized, (name, message)
 
 
 def _lazy_stream_worker():
