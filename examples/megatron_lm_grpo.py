@@ -7,6 +7,8 @@ policy -> a few updates. Two rollout engines:
 - `--rollout hf`: a separate HF model samples, as vLLM/SGLang do in verl: after each update the weights are
   streamed into it (`model.iter_hf_weights()`, one tensor at a time, HF names) and the Megatron model is
   offloaded to host memory while it generates (`accelerator.offload()` / `accelerator.reload()`).
+With `--kl_coef`, a KL penalty to the initial policy, whose weights stay in host memory and are swapped in
+for its log-probs (`accelerator.snapshot_weights()`, `accelerator.use_weights(...)`).
 
 By default it needs no network: a tiny Llama and a character tokenizer are built here, prompts are
 "Q: 07 + 05 =", and the reward gives 0.5 for an answer of digits that ends (eos) and 1 more for the right
@@ -47,6 +49,8 @@ def parse_args(argv=None):
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--learning_rate", type=float, default=3e-3)
     p.add_argument("--clip_range", type=float, default=0.2)
+    p.add_argument("--kl_coef", type=float, default=0.0,
+                   help="k3 KL to the initial policy, whose weights are kept in host memory and swapped in")
     p.add_argument("--log_every", type=int, default=5)
     p.add_argument("--output_dir", default=None, help="save the trained model here (HF format)")
     p.add_argument("--seed", type=int, default=0)
@@ -103,7 +107,7 @@ def push_weights(model, rollout_model):
 
 def main(argv=None):
     args = parse_args(argv)
-    plugin_kwargs = dict(clip_range=args.clip_range, temperature=args.temperature)
+    plugin_kwargs = dict(clip_range=args.clip_range, temperature=args.temperature, kl_coef=args.kl_coef)
     accelerator = Accelerator()
     plugin = accelerator.state.megatron_lm_plugin
     plugin.custom_train_step_class = PolicyGradientTrainStep
@@ -116,6 +120,7 @@ def main(argv=None):
     if args.rollout == "hf":
         rollout_model = AutoModelForCausalLM.from_config(model.config).eval()
         rollout_model.load_state_dict(model.state_dict())
+        rollout_model.to(accelerator.device)
 
     # every prompt has the same length ("Q: 07 + 05 ="), so no padding in the prompts
     pairs = prompts(args.iterations * args.prompts_per_step * 64, args.seed)
@@ -125,6 +130,8 @@ def main(argv=None):
     scheduler = MegatronLMDummyScheduler(optimizer, total_num_steps=steps, warmup_num_steps=0)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
+    # the reference policy of the KL term: the initial weights, in host memory (no second model on the device)
+    reference = accelerator.snapshot_weights() if args.kl_coef else None
     history = []
     for it, batch_pairs in enumerate(loader):
         if it == args.iterations:
@@ -141,13 +148,16 @@ def main(argv=None):
         else:
             accelerator.offload()  # parameters, gradients, optimizer state: host memory while the rollout runs
             with torch.no_grad():
-                samples = rollout_model.generate(prompt_ids, do_sample=True, temperature=args.temperature, top_k=0,
+                samples = rollout_model.generate(prompt_ids.to(accelerator.device), do_sample=True, temperature=args.temperature, top_k=0,
                                                  max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
                                                  eos_token_id=tokenizer.eos_token_id)
             accelerator.reload()
         # 2. rewards and advantages; 3. log-probs of the sampling policy
         batch, mean_reward = rollout_batch(samples.cpu(), prompt_ids, tokenizer, batch_pairs, args)
         batch["old_log_probs"] = model.compute_log_probs(batch, temperature=args.temperature)
+        if reference is not None:
+            with accelerator.use_weights(reference):
+                batch["ref_log_probs"] = model.compute_log_probs(batch, temperature=args.temperature)
         history.append(mean_reward)
         # 4. updates on mini-batches of the rollout: after the first, the ratio to the sampling policy moves
         model.train()

@@ -326,7 +326,22 @@ class Accelerator(accelerate.Accelerator):
         self._check_prepared_model("reload(model)", model)
         return self._engine.reload()
 
-    def _check_prepared_model(self, what, model):
+    def snapshot_weights(self, model=None):
+        """A host copy of the prepared model's weights as they are now (each rank its own shards), e.g. the
+        reference policy for a KL term, taken before training."""
+        self._check_prepared_model("snapshot_weights(model)", model, needs_engine=True)
+        return self._engine.snapshot_weights()
+
+    def use_weights(self, snapshot, model=None):
+        """`with accelerator.use_weights(snapshot):` the model computes with the snapshot's weights (log-probs,
+        generation, evaluation), then has its own back, bit for bit."""
+        self._check_prepared_model("use_weights(model)", model, needs_engine=True)
+        return self._engine.use_weights(snapshot)
+
+    def _check_prepared_model(self, what, model, needs_engine=False):
+        if needs_engine and (self._megatron is None or self._engine is None):
+            raise MegatronPluginConfigError(what.split("(")[0], "nothing prepared",
+                                            "call accelerator.prepare(...) with a MegatronLMPlugin first")
         if model is not None and model is not self._engine:
             raise MegatronPluginConfigError(what, type(model).__name__,
                                             "pass the model accelerator.prepare returned (or nothing: there is one)")

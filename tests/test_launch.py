@@ -157,11 +157,12 @@ def test_grpo_example_reward_rises(tmp_path):
 
 def test_grpo_example_with_hf_rollout_and_offload(tmp_path):
     """The verl pattern under DP=2: an HF model samples while the Megatron model is offloaded, and gets the
-    trained weights streamed in after each update."""
+    trained weights streamed in after each update; a KL term to the initial weights, swapped in from host
+    memory."""
     import re
 
     out = accelerate_launch(os.path.join(CONFIGS, "cpu_dp2.yaml"), os.path.join(ROOT, "examples", "megatron_lm_grpo.py"),
-                            "--output_dir", tmp_path, "--rollout", "hf", "--iterations", 30)
+                            "--output_dir", tmp_path, "--rollout", "hf", "--iterations", 30, "--kl_coef", 0.02)
     m = re.search(r"mean reward: first \d+ iterations ([\d.]+), last \d+ iterations ([\d.]+)", out)
     assert m, out[-3000:]
     assert float(m.group(2)) >= float(m.group(1)) + 0.2, m.group(0)

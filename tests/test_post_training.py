@@ -624,3 +624,60 @@ def test_weight_streaming_gathers_one_tensor_at_a_time():
         assert res["total"] >= 10 and res["all"] and res["shapes"], res
         # no gather moves more than one (padded) tensor
         assert res["largest_gather"] <= res["largest_tensor"], res
+
+
+def _reference_worker(swap):
+    """KL to the initial policy: reference log-probs from a weight snapshot swapped in (`swap`), or computed
+    for every batch up front, before training (the plain way, possible here as the batches are known)."""
+    from megatron_plugin.errors import MegatronPluginConfigError
+    from train_steps import PolicyGradientTrainStep
+
+    accelerator, model, opt, hf = prepare("llama", 2, step_class=PolicyGradientTrainStep, step_kwargs={"kl_coef": 0.1})
+    vocab = hf.config.vocab_size
+    batches = [causal_batch(vocab, seed=20 + step) for step in range(4)]
+    snapshot = accelerator.snapshot_weights() if swap else None
+    upfront = [model.compute_log_probs(b) for b in batches]
+    res = {"refs": [], "losses": [], "refused": {}}
+    for step, batch in enumerate(batches):
+        batch["old_log_probs"] = model.compute_log_probs(batch)
+        batch["advantages"] = torch.linspace(-1, 1, 4)
+        if swap:
+            with accelerator.use_weights(snapshot):
+                batch["ref_log_probs"] = model.compute_log_probs(batch)
+                if step == 2:
+                    for what, fn in {"train": lambda: model.train()(**batch), "offload": accelerator.offload,
+                                     "save": lambda: accelerator.save_state("/nonexistent/never"),
+                                     "snapshot": accelerator.snapshot_weights}.items():
+                        try:
+                            fn()
+                            res["refused"][what] = None
+                        except MegatronPluginConfigError as e:
+                            res["refused"][what] = str(e)
+                    model.eval()
+                    res["eval_inside"] = bool(torch.isfinite(model(**batch).loss))
+        else:
+            batch["ref_log_probs"] = upfront[step]
+        res["refs"].append(batch["ref_log_probs"])
+        model.train()
+        out = model(**batch)
+        opt.step()
+        opt.zero_grad()
+        res["losses"].append((out.loss.item(), out.metrics["kl"].item()))
+    res["weights"] = {k: v.detach().clone() for k, v in model.iter_hf_weights()}
+    if swap:
+        res["bytes"] = snapshot.nbytes
+    return res
+
+
+def test_reference_weights_swapped_in_give_the_initial_log_probs_bit_for_bit():
+    plain = run_on_ranks(_reference_worker, 2, False)
+    swapped = run_on_ranks(_reference_worker, 2, True)
+    for a, b in zip(plain, swapped):
+        assert all(torch.equal(x, y) for x, y in zip(a["refs"], b["refs"]))  # the snapshot is the initial model
+        assert a["losses"] == b["losses"]  # and training after each swap back is untouched
+        assert all(torch.equal(a["weights"][k], b["weights"][k]) for k in a["weights"])
+        assert a["losses"][-1][1] > 1e-4  # the policy moved away from the reference: the KL term is live
+        assert b["eval_inside"]
+        for what, message in b["refused"].items():
+            assert message is not None and "use_weights" in message, (what, message)
+        assert b["bytes"] > 0

@@ -60,7 +60,8 @@ class MegatronEngine(torch.nn.Module):
 
     # -- the step -------------------------------------------------------------------------------
     def forward(self, **batch):
-        self._check_ready("model(**batch)")
+        self._check_ready("model(**batch) in training mode" if self.training else "model(**batch)",
+                          swapped_ok=not self.training)
         step = self.train_step_handler
         micro_batches = self._split(batch, step)
         cls = step.model_output_class
@@ -102,11 +103,17 @@ class MegatronEngine(torch.nn.Module):
         finally:
             self._in_step = False
 
-    def _check_ready(self, what: str):
+    def _check_ready(self, what: str, swapped_ok: bool = False):
         if getattr(self, "_offload", None) is not None and self._offload.active:
             raise MegatronPluginConfigError(
                 what, "called while the model is offloaded",
                 "call accelerator.reload() (engine.reload()) first, after accelerator.offload()",
+            )
+        if getattr(self, "_swapped", False) and not swapped_ok:
+            raise MegatronPluginConfigError(
+                what, "called inside use_weights(snapshot), where the model holds the snapshot's weights",
+                "train, save, offload and snapshot outside the `with` block; inside it, compute log-probs, "
+                "generate or evaluate",
             )
 
     def _split(self, batch, step) -> List[Dict[str, torch.Tensor]]:
@@ -291,7 +298,7 @@ class MegatronEngine(torch.nn.Module):
         micro-batch through the pipeline; every rank gets the result. Collective over the model replica."""
         from .logprobs import check_temperature, log_prob_forward_step
 
-        self._check_ready("compute_log_probs")
+        self._check_ready("compute_log_probs", swapped_ok=True)
         temperature = check_temperature(temperature)
         if not isinstance(entropy, bool):
             raise MegatronPluginConfigError("entropy", entropy, "pass True or False")
@@ -339,6 +346,45 @@ class MegatronEngine(torch.nn.Module):
     def _rows(self, collected, key):
         return torch.cat([c[key] for c in collected])
 
+    def snapshot_weights(self):
+        """A host copy (pinned, on CUDA) of this rank's parameters as they are now, e.g. the reference policy
+        of a KL term: `with engine.use_weights(snapshot): ref = engine.compute_log_probs(batch)`. Costs one
+        copy of the (mixed-precision) parameters in host memory, none on the device."""
+        from .offload import WeightSnapshot
+
+        self._check_ready("snapshot_weights")
+        if getattr(self, "_in_step", False):
+            raise MegatronPluginConfigError("snapshot_weights", "called while a step runs", "take it between steps")
+        return WeightSnapshot(self._weight_tensors(), self.device)
+
+    @contextlib.contextmanager
+    def use_weights(self, snapshot):
+        """Run the model with a snapshot's weights inside the `with` block (forward only: log-probs,
+        generation, evaluation), and its own weights again after it, bit for bit. Swaps bytes with host
+        memory: no second model on the device."""
+        from .offload import WeightSnapshot
+
+        if not isinstance(snapshot, WeightSnapshot):
+            raise MegatronPluginConfigError("use_weights(snapshot)", type(snapshot).__name__,
+                                            "pass what snapshot_weights() returned")
+        self._check_ready("use_weights")
+        if getattr(self, "_in_step", False):
+            raise MegatronPluginConfigError("use_weights", "called while a step runs", "use it between steps")
+        live = {s.data_ptr() for s in WeightSnapshot.storages_of(self._weight_tensors(), self.device)}
+        if {s.data_ptr() for s in snapshot.storages} != live:
+            raise MegatronPluginConfigError("use_weights(snapshot)", "a snapshot of another model",
+                                            "take the snapshot with this model's snapshot_weights()")
+        snapshot.swap()
+        self._swapped = True
+        try:
+            yield self
+        finally:
+            snapshot.swap()
+            self._swapped = False
+
+    def _weight_tensors(self):
+        return [p for c in self.chunks for p in c.module.parameters()]
+
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True):
         """Move the parameters, gradients and optimizer state to host memory (pinned, on CUDA) and free
         their device memory, e.g. for a rollout engine between training phases. `reload()` brings them
@@ -349,6 +395,8 @@ class MegatronEngine(torch.nn.Module):
             raise MegatronPluginConfigError(
                 "offload", "called while a step runs", "offload between steps: after model(**batch) has returned"
             )
+        if getattr(self, "_swapped", False):
+            self._check_ready("offload")  # raises: the snapshot's weights are in the model
         if getattr(self, "_offload", None) is None:
             self._offload = Offload(self.device)
         return self._offload.offload(self._offload_groups(params, grads, optimizer))
@@ -386,7 +434,7 @@ class MegatronEngine(torch.nn.Module):
         """Generate with the tensor-parallel model (see `megatron_plugin.generation.generate`)."""
         from ..generation.generate import megatron_generate
 
-        self._check_ready("megatron_generate")
+        self._check_ready("megatron_generate", swapped_ok=True)
         return megatron_generate(self, inputs, attention_mask, **kwargs)
 
     def iter_hf_weights(self, grads: bool = False):
@@ -394,7 +442,7 @@ class MegatronEngine(torch.nn.Module):
         of the replica consumes it to the end): for pushing weights into an inference engine after a step."""
         from .export import iter_hf_weights
 
-        self._check_ready("iter_hf_weights")
+        self._check_ready("iter_hf_weights", swapped_ok=True)
         return iter_hf_weights(self, grads=grads)
 
     def hf_state_dict(self):
