@@ -626,13 +626,14 @@ def test_weight_streaming_gathers_one_tensor_at_a_time():
         assert res["largest_gather"] <= res["largest_tensor"], res
 
 
-def _reference_worker(swap):
+def _reference_worker(swap, tp=2, layout=None):
     """KL to the initial policy: reference log-probs from a weight snapshot swapped in (`swap`), or computed
     for every batch up front, before training (the plain way, possible here as the batches are known)."""
     from megatron_plugin.errors import MegatronPluginConfigError
     from train_steps import PolicyGradientTrainStep
 
-    accelerator, model, opt, hf = prepare("llama", 2, step_class=PolicyGradientTrainStep, step_kwargs={"kl_coef": 0.1})
+    accelerator, model, opt, hf = prepare("llama", tp, step_class=PolicyGradientTrainStep, step_kwargs={"kl_coef": 0.1},
+                                          **(layout or {}))
     vocab = hf.config.vocab_size
     batches = [causal_batch(vocab, seed=20 + step) for step in range(4)]
     snapshot = accelerator.snapshot_weights() if swap else None
@@ -663,15 +664,14 @@ def _reference_worker(swap):
         opt.step()
         opt.zero_grad()
         res["losses"].append((out.loss.item(), out.metrics["kl"].item()))
-    res["weights"] = {k: v.detach().clone() for k, v in model.iter_hf_weights()}
+    res["weights"] = {k: v.detach().cpu().clone() for k, v in model.iter_hf_weights()}
+    res["refs"] = [r.cpu() for r in res["refs"]]
     if swap:
         res["bytes"] = snapshot.nbytes
     return res
 
 
-def test_reference_weights_swapped_in_give_the_initial_log_probs_bit_for_bit():
-    plain = run_on_ranks(_reference_worker, 2, False)
-    swapped = run_on_ranks(_reference_worker, 2, True)
+def check_reference_runs(plain, swapped):
     for a, b in zip(plain, swapped):
         assert all(torch.equal(x, y) for x, y in zip(a["refs"], b["refs"]))  # the snapshot is the initial model
         assert a["losses"] == b["losses"]  # and training after each swap back is untouched
@@ -681,3 +681,7 @@ def test_reference_weights_swapped_in_give_the_initial_log_probs_bit_for_bit():
         for what, message in b["refused"].items():
             assert message is not None and "use_weights" in message, (what, message)
         assert b["bytes"] > 0
+
+
+def test_reference_weights_swapped_in_give_the_initial_log_probs_bit_for_bit():
+    check_reference_runs(run_on_ranks(_reference_worker, 2, False), run_on_ranks(_reference_worker, 2, True))

@@ -108,3 +108,16 @@ def test_streamed_weights_after_training_match_hf_2gpu(layout):
         for k, v in res["streamed"].items():
             moved = (ref_state[k] - start[k]).abs().max().item()
             assert (v - ref_state[k]).abs().max().item() <= 1e-2 * max(moved, 1e-3), (k, moved)
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_reference_weights_swap_single_gpu(precision):
+    """snapshot_weights / use_weights on the GPU engine (pinned host memory, mcore's parameter buffers)."""
+    layout = {"mixed_precision": precision}
+    T.check_reference_runs(*[run_on_ranks(T._reference_worker, 1, swap, 1, layout) for swap in (False, True)])
+
+
+@two_gpus
+def test_reference_weights_swap_pp2_distopt():
+    layout = {"pp_degree": 2, "use_distributed_optimizer": True, "mixed_precision": "bf16"}
+    T.check_reference_runs(*[run_on_ranks(T._reference_worker, 2, swap, 1, layout) for swap in (False, True)])
