@@ -454,6 +454,7 @@ def test_streamed_weights_after_policy_training_match_hf(name):
 
 # -- bad input ----------------------------------------------------------------------------------------
 def _bad_inputs_worker():
+    from megatron_plugin.engine.offload import WeightSnapshot
     from megatron_plugin.errors import MegatronPluginConfigError
     from train_steps import DPOTrainStep, GPTTrainStep, PolicyGradientTrainStep
 
@@ -479,6 +480,9 @@ def _bad_inputs_worker():
     expect("temperature", lambda: model.compute_log_probs(batch, temperature=0.0))
     batch["advantages"] = torch.zeros(4)
     errors["good_batch_runs"] = bool(torch.isfinite(model(**batch).loss))
+    expect("use_weights_not_a_snapshot", lambda: accelerator.use_weights({"w": 1}).__enter__())
+    stranger = WeightSnapshot([torch.zeros(3)], torch.device("cpu"))  # a snapshot of some other tensors
+    expect("use_weights_other_model", lambda: accelerator.use_weights(stranger).__enter__())
     accelerator.offload()
     expect("log_probs_while_offloaded", lambda: model.compute_log_probs(batch))
     expect("save_while_offloaded", lambda: accelerator.save_model(model, "/nonexistent/never"))
@@ -513,6 +517,8 @@ def test_post_training_bad_inputs_are_named():
     assert "advantages" in errors["adv_shape"] and "(4, 11)" in errors["adv_shape"]
     assert "temperature" in errors["temperature"]
     assert errors["good_batch_runs"]
+    assert "snapshot_weights()" in errors["use_weights_not_a_snapshot"]
+    assert "another model" in errors["use_weights_other_model"]
     assert "reload" in errors["log_probs_while_offloaded"]
     assert "reload" in errors["save_while_offloaded"]
     assert "offload" in errors["offload_in_step"] and "step" in errors["offload_in_step"]
