@@ -475,6 +475,9 @@ def _bad_inputs_worker():
     batch["advantages"] = torch.tensor([1.0, float("nan"), 0.0, 0.0])
     batch["ref_log_probs"] = torch.zeros(4, SEQ)
     expect("nan_adv", lambda: model(**batch))
+    batch["advantages"] = torch.zeros(4)
+    expect("probs_not_log_probs", lambda: model(**dict(batch, old_log_probs=torch.full((4, SEQ), 0.5))))
+    expect("nan_ref", lambda: model(**dict(batch, ref_log_probs=torch.full((4, SEQ), float("nan")))))
     batch["advantages"] = torch.zeros(4, SEQ - 1)
     expect("adv_shape", lambda: model(**batch))
     expect("temperature", lambda: model.compute_log_probs(batch, temperature=0.0))
@@ -514,6 +517,8 @@ def test_post_training_bad_inputs_are_named():
     assert "old_log_probs" in errors["missing_old"] and "compute_log_probs" in errors["missing_old"]
     assert "advantages" in errors["missing_adv"]
     assert "advantages" in errors["nan_adv"] and "nan" in errors["nan_adv"]
+    assert "old_log_probs" in errors["probs_not_log_probs"] and "<= 0" in errors["probs_not_log_probs"]
+    assert "ref_log_probs" in errors["nan_ref"] and "nan" in errors["nan_ref"]
     assert "advantages" in errors["adv_shape"] and "(4, 11)" in errors["adv_shape"]
     assert "temperature" in errors["temperature"]
     assert errors["good_batch_runs"]
@@ -537,6 +542,7 @@ def _dpo_bad_worker():
         "labels_length": lambda b: dict(b, rejected_labels=b["rejected_labels"][:, :-1]),
         "ref_shape": lambda b: dict(b, ref_chosen_logps=torch.zeros(4, 2)),
         "empty_row": lambda b: dict(b, chosen_labels=b["chosen_labels"].index_fill(0, torch.tensor([2]), -100)),
+        "positive_ref": lambda b: dict(b, ref_rejected_logps=torch.full((4,), 2.0)),
     }.items():
         b = dict(batch) if key == "missing_ref" else dict(batch, ref_chosen_logps=torch.zeros(4), ref_rejected_logps=torch.zeros(4))
         try:
@@ -553,6 +559,7 @@ def test_dpo_bad_batches_are_named():
     assert "rejected_labels" in errors["labels_length"] and "(4, 9)" in errors["labels_length"]
     assert "ref_chosen_logps" in errors["ref_shape"]
     assert "chosen_labels" in errors["empty_row"] and "row 2" in errors["empty_row"]
+    assert "ref_rejected_logps" in errors["positive_ref"] and "<= 0" in errors["positive_ref"]
 
 
 def _kwargs_worker():

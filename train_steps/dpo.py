@@ -110,6 +110,9 @@ class DPOTrainStep(GPTTrainStep):
             if tuple(t.shape) != (rows,) or not t.is_floating_point() or not torch.isfinite(t).all():
                 return _error(f"batch[{key!r}]", f"{t.dtype} {tuple(t.shape)}",
                               f"pass [{rows}] finite floats: one summed log-prob per pair")
+            if (t > 1e-3).any():
+                return _error(f"batch[{key!r}]", f"a value of {t.max().item():.4g} > 0",
+                              "summed log-probabilities are <= 0: pass model.compute_log_probs(...).sum(-1)")
         return None
 
     def get_forward_step_func(self):

@@ -80,6 +80,11 @@ def check_per_token(batch, key, rows, tokens, allow_per_row=False):
                       + (" (or one per sequence)" if allow_per_row else ""))
     if not t.is_floating_point():
         return _error(f"batch[{key!r}]", t.dtype, "pass floating-point values")
+    if not torch.isfinite(t).all():
+        return _error(f"batch[{key!r}]", "contains nan or inf", "check how it was computed")
+    if key.endswith("log_probs") and (t > 1e-3).any():
+        return _error(f"batch[{key!r}]", f"a value of {t.max().item():.4g} > 0",
+                      "log-probabilities are <= 0: pass model.compute_log_probs(batch), not probabilities")
     return None
 
 
@@ -151,10 +156,10 @@ class PolicyGradientTrainStep(GPTTrainStep):
         for key in ("old_log_probs", "ref_log_probs", "advantages"):
             error = check_per_token(batch, key, rows, tokens, allow_per_row=key == "advantages")
             if error is not None:
+                if key == "advantages" and "nan" in str(error):
+                    return _error("batch['advantages']", "contains nan or inf", "check the advantage computation "
+                                  "(e.g. GRPO's division by a group's reward std of 0: add an epsilon)")
                 return error
-        if not torch.isfinite(batch["advantages"]).all():
-            return _error("batch['advantages']", "contains nan or inf",
-                          "check the advantage computation (e.g. GRPO's division by a group's reward std of 0: add an epsilon)")
         return None
 
     def get_forward_step_func(self):
