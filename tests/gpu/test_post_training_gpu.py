@@ -29,7 +29,7 @@ def _log_probs_gpu(name, layout):
     tp = layout.pop("tp")
     _, model, _, _ = T.prepare(name, tp, micro=2, num_micro=2, **layout)
     ref_model = T.build(name)  # fp32 on the CPU
-    batch = T.causal_batch(ref_model.config.vocab_size)
+    batch = T._batch_for(name, ref_model.config.vocab_size)
     out = {}
     for temperature in (1.0, 0.7):
         lp, ent = model.compute_log_probs(batch, temperature=temperature, entropy=True)
@@ -51,7 +51,7 @@ def _check_log_probs(results, where):
             assert r["lp"] < 5e-5 * scale and r["ent"] < 5e-5 * scale, (where, rank, temperature, r)
 
 
-@pytest.mark.parametrize("name", ["llama", "tied"])
+@pytest.mark.parametrize("name", ["llama", "tied", "t5_v1_1", "bert"])
 def test_log_probs_match_hf_single_gpu(name):
     _check_log_probs(run_on_ranks(_log_probs_gpu, 1, name, "single"), name)
 
