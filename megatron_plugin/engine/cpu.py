@@ -57,6 +57,10 @@ class MegatronEngine(torch.nn.Module):
         self.last_grad_norm = None
         self.iteration = 0
         self.rng = ModelRNG(plugin.seed + 100 * parallel_state.get_pipeline_model_parallel_rank(), device)
+        self._in_step = False  # inside model(**batch) / compute_log_probs
+        self._offload = None  # the Offload holding what offload() moved, once used
+        self._swapped = False  # inside use_weights(snapshot)
+        self._family_step = None  # the family's own step, for log-probs when the user's step has no logits
 
     # -- the step -------------------------------------------------------------------------------
     def forward(self, **batch):
@@ -103,18 +107,23 @@ class MegatronEngine(torch.nn.Module):
         finally:
             self._in_step = False
 
-    def _check_ready(self, what: str, swapped_ok: bool = False):
-        if getattr(self, "_offload", None) is not None and self._offload.active:
+    def _check_ready(self, what: str, swapped_ok: bool = False, offloaded_ok: bool = False):
+        if self.is_offloaded and not offloaded_ok:
             raise MegatronPluginConfigError(
                 what, "called while the model is offloaded",
                 "call accelerator.reload() (engine.reload()) first, after accelerator.offload()",
             )
-        if getattr(self, "_swapped", False) and not swapped_ok:
+        if self._swapped and not swapped_ok:
             raise MegatronPluginConfigError(
                 what, "called inside use_weights(snapshot), where the model holds the snapshot's weights",
                 "train, save, offload and snapshot outside the `with` block; inside it, compute log-probs, "
                 "generate or evaluate",
             )
+
+    def _check_between_steps(self, what: str):
+        if self._in_step:
+            raise MegatronPluginConfigError(what, "called while a step runs",
+                                            "call it between steps: after model(**batch) has returned")
 
     def _split(self, batch, step) -> List[Dict[str, torch.Tensor]]:
         key = step.input_key
@@ -330,7 +339,7 @@ class MegatronEngine(torch.nn.Module):
         handler = self.train_step_handler
         if type(handler).forward_logits is not AbstractTrainStep.forward_logits and handler.input_key == "input_ids":
             return handler
-        if getattr(self, "_family_step", None) is None:
+        if self._family_step is None:
             import train_steps
 
             self._family_step = getattr(train_steps, family.train_step)(self.megatron_args)
@@ -353,8 +362,7 @@ class MegatronEngine(torch.nn.Module):
         from .offload import WeightSnapshot
 
         self._check_ready("snapshot_weights")
-        if getattr(self, "_in_step", False):
-            raise MegatronPluginConfigError("snapshot_weights", "called while a step runs", "take it between steps")
+        self._check_between_steps("snapshot_weights")
         return WeightSnapshot(self._weight_tensors(), self.device)
 
     @contextlib.contextmanager
@@ -362,15 +370,14 @@ class MegatronEngine(torch.nn.Module):
         """Run the model with a snapshot's weights inside the `with` block (forward only: log-probs,
         generation, evaluation), and its own weights again after it, bit for bit. Swaps bytes with host
         memory: no second model on the device."""
-        from .offload import WeightSnapshot
+        from .offload import WeightSnapshot, unique_storages
 
         if not isinstance(snapshot, WeightSnapshot):
             raise MegatronPluginConfigError("use_weights(snapshot)", type(snapshot).__name__,
                                             "pass what snapshot_weights() returned")
         self._check_ready("use_weights")
-        if getattr(self, "_in_step", False):
-            raise MegatronPluginConfigError("use_weights", "called while a step runs", "use it between steps")
-        live = {s.data_ptr() for s in WeightSnapshot.storages_of(self._weight_tensors(), self.device)}
+        self._check_between_steps("use_weights")
+        live = {s.data_ptr() for s in unique_storages(self._weight_tensors(), self.device)}
         if {s.data_ptr() for s in snapshot.storages} != live:
             raise MegatronPluginConfigError("use_weights(snapshot)", "a snapshot of another model",
                                             "take the snapshot with this model's snapshot_weights()")
@@ -391,27 +398,22 @@ class MegatronEngine(torch.nn.Module):
         back bit for bit. Returns bytes moved per kind. Not while a step runs."""
         from .offload import Offload
 
-        if getattr(self, "_in_step", False):
-            raise MegatronPluginConfigError(
-                "offload", "called while a step runs", "offload between steps: after model(**batch) has returned"
-            )
-        if getattr(self, "_swapped", False):
-            self._check_ready("offload")  # raises: the snapshot's weights are in the model
-        if getattr(self, "_offload", None) is None:
+        self._check_between_steps("offload")
+        self._check_ready("offload", offloaded_ok=True)  # offloading twice is a no-op
+        if self._offload is None:
             self._offload = Offload(self.device)
         return self._offload.offload(self._offload_groups(params, grads, optimizer))
 
     def reload(self):
         """Bring back what `offload()` moved to host memory (a no-op when nothing is offloaded)."""
-        if getattr(self, "_in_step", False):
-            raise MegatronPluginConfigError("reload", "called while a step runs", "reload between steps")
-        if getattr(self, "_offload", None) is None:
+        self._check_between_steps("reload")
+        if self._offload is None:
             return {}
         return self._offload.reload()
 
     @property
     def is_offloaded(self) -> bool:
-        return getattr(self, "_offload", None) is not None and self._offload.active
+        return self._offload is not None and self._offload.active
 
     def _offload_groups(self, params: bool, grads: bool, optimizer: bool):
         from .optimizer import inner_torch_optimizers

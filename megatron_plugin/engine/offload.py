@@ -52,8 +52,6 @@ class WeightSnapshot:
         if self.pin:
             torch.cuda.synchronize(device)
 
-    storages_of = staticmethod(unique_storages)
-
     @property
     def nbytes(self) -> int:
         return sum(h.numel() for h in self.host)
