@@ -68,6 +68,10 @@ def check_known(cls, kwargs, known):
         raise _error("custom_train_step_kwargs", unknown, f"{cls.__name__} takes {sorted(known)}")
 
 
+NONFINITE_FIX = {"advantages": "check the advantage computation (e.g. GRPO's division by a group's reward std of 0: "
+                               "add an epsilon)"}
+
+
 def check_per_token(batch, key, rows, tokens, allow_per_row=False):
     """An error for a missing, misshapen or non-finite per-token tensor of the batch, else None."""
     t = batch.get(key)
@@ -81,7 +85,7 @@ def check_per_token(batch, key, rows, tokens, allow_per_row=False):
     if not t.is_floating_point():
         return _error(f"batch[{key!r}]", t.dtype, "pass floating-point values")
     if not torch.isfinite(t).all():
-        return _error(f"batch[{key!r}]", "contains nan or inf", "check how it was computed")
+        return _error(f"batch[{key!r}]", "contains nan or inf", NONFINITE_FIX.get(key, "check how it was computed"))
     if key.endswith("log_probs") and (t > 1e-3).any():
         return _error(f"batch[{key!r}]", f"a value of {t.max().item():.4g} > 0",
                       "log-probabilities are <= 0: pass model.compute_log_probs(batch), not probabilities")
@@ -156,9 +160,6 @@ class PolicyGradientTrainStep(GPTTrainStep):
         for key in ("old_log_probs", "ref_log_probs", "advantages"):
             error = check_per_token(batch, key, rows, tokens, allow_per_row=key == "advantages")
             if error is not None:
-                if key == "advantages" and "nan" in str(error):
-                    return _error("batch['advantages']", "contains nan or inf", "check the advantage computation "
-                                  "(e.g. GRPO's division by a group's reward std of 0: add an epsilon)")
                 return error
         return None
 
