@@ -52,6 +52,13 @@ def optimizer_config(user_opt: torch.optim.Optimizer, plugin, dtype: Optional[to
     )
 
 
+def transformer_layers(module):
+    """Every transformer layer of a model chunk: GPT's decoder, BERT's encoder, T5's encoder and decoder
+    (a stack is absent on pipeline stages that don't hold it)."""
+    return [layer for name in ("encoder", "decoder") if getattr(module, name, None) is not None
+            for layer in getattr(module, name).layers]
+
+
 class MegatronCoreEngine(MegatronEngine):
     def __init__(self, chunks, user_optimizer, dummy_scheduler, plugin, train_step, device, dtype,
                  compile_kwargs: Optional[dict] = None):
@@ -67,7 +74,7 @@ class MegatronCoreEngine(MegatronEngine):
             if compile_kwargs is not None:
                 # Per layer (accelerate's "regional compilation"): the layers share one graph, and
                 # pipeline stages, virtual stages and recompute wrap layers, not whole models.
-                for layer in module.decoder.layers:
+                for layer in transformer_layers(module):
                     layer.compile(**compile_kwargs)
             if dtype is not None:
                 module = Float16Module(config, module)
