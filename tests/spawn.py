@@ -131,7 +131,18 @@ def _close_pools():
 
 def run_on_ranks(fn, world_size: int, *args, env: dict | None = None):
     """Run `fn(*args)` on `world_size` processes; return the list of their return values.
-    Raises with the failing rank's traceback, or if the processes outlive the timeout."""
+    Raises with the failing rank's traceback, or if the processes outlive the timeout.
+    The rendezvous port is picked free but can be taken before rank 0 listens on it (seen once on the
+    GPU machine): then the task runs again on another port, in fresh processes."""
+    for attempt in range(3):
+        try:
+            return _run_on_ranks_once(fn, world_size, *args, env=env)
+        except AssertionError as e:
+            if "EADDRINUSE" not in str(e) or attempt == 2:
+                raise
+
+
+def _run_on_ranks_once(fn, world_size: int, *args, env: dict | None = None):
     with tempfile.TemporaryDirectory() as out_dir:
         pool = _pool(world_size)
         task = (_free_port(), out_dir, fn, args, env or {})
