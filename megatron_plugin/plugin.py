@@ -126,6 +126,13 @@ class MegatronLMPlugin:
         default=False,
         metadata={"help": "on CUDA, Megatron-Core's fused bias-GELU kernel"},
     )
+    gradient_accumulation_fusion: Optional[bool] = field(
+        default=None,
+        metadata={"help": "on CUDA with bf16/fp16, compute each linear's weight gradient straight into the fp32 "
+                          "main-gradient buffer (Megatron's --gradient-accumulation-fusion, here without apex); "
+                          "default: on for CUDA unless torch_compile (there the linears would have to leave the "
+                          "compiled graph, which costs far more than the fusion saves: BENCHMARKS.md)"},
+    )
     torch_compile: bool = field(
         default=False,
         metadata={"help": "on CUDA, compile each transformer layer with torch.compile (Inductor); accelerate's "

@@ -80,7 +80,8 @@ def _eval_worker():
         ref = hf(**batch)
     model = tiny_gpt2()
     opt = optimizer_for(model)
-    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=2, return_logits=True))
+    plugin = MegatronLMPlugin(tp_degree=2, return_logits=True)
+    acc = Accelerator(megatron_lm_plugin=plugin)
     engine, opt, sched, loader = acc.prepare(
         model, opt, MegatronLMDummyScheduler(opt, total_num_steps=5), DataLoader(data, batch_size=4)
     )
@@ -93,6 +94,9 @@ def _eval_worker():
         "logits_err": (out.logits - ref.logits).abs()[batch["attention_mask"].bool()].max().item(),
         "shape": tuple(out.logits.shape) == tuple(ref.logits.shape),
         "main_is_last": acc.is_main_process == (acc.process_index == acc.num_processes - 1),
+        # the default (None) resolves at prepare; the fused weight-gradient GEMM is CUDA-only
+        "wgrad_fusion": (plugin.gradient_accumulation_fusion,
+                         any(m.config.gradient_accumulation_fusion for m in engine.modules() if hasattr(m, "config"))),
     }
 
 
@@ -100,6 +104,7 @@ def test_eval_returns_hf_loss_and_logits_under_tp2():
     for res in run_on_ranks(_eval_worker, 2):
         assert res["shape"] and res["main_is_last"]
         assert res["loss_err"] < 1e-5 and res["logits_err"] < 1e-4, res
+        assert res["wgrad_fusion"] == (False, False), res
 
 
 def test_compile_settings_follow_accelerate_dynamo_plugin():

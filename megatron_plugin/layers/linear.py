@@ -15,11 +15,22 @@ def _outside_compiled_graph(fn, *args, **kwargs):
 def _forward(layer, parent_forward, *args, **kwargs):
     """Under torch.compile with TP > 1 the linear, with its collectives and mcore's custom autograd
     function (async all-gather/reduce-scatter into a shared buffer for SP), runs eagerly between the
-    compiled pieces of the layer: compiled whole, TP=2 + SP trained to wrong losses on GPU. The GEMM
-    gains nothing from compiling; the norms, attention and elementwise work around it stay compiled."""
-    if layer.tp_group is not None and layer.tp_group.size() > 1 and torch.compiler.is_compiling():
+    compiled pieces of the layer: compiled whole, TP=2 + SP trained to wrong losses on GPU. So does a
+    linear whose weight gradient accumulates in place into the fp32 main_grad (`wgrad.py`): a side
+    effect in backward that the compiler must not see. The GEMM gains nothing from compiling; the
+    norms, attention and elementwise work around it stay compiled."""
+    if torch.compiler.is_compiling() and (
+        layer.gradient_accumulation_fusion or (layer.tp_group is not None and layer.tp_group.size() > 1)
+    ):
         return _outside_compiled_graph(parent_forward, *args, **kwargs)
     return parent_forward(*args, **kwargs)
+
+
+def _fuse_only_with_main_grad(weight, kwargs):
+    """mcore's gradient-accumulation fusion assumes the weight has a main_grad (DDP's fp32 buffer); a
+    weight without one (run outside the GPU engine's DDP) takes the plain path."""
+    if kwargs.get("gradient_accumulation_fusion") and not hasattr(weight, "main_grad"):
+        kwargs["gradient_accumulation_fusion"] = False
 
 
 def _cast_for_cpu_autocast(input, weight, kwargs):
@@ -43,6 +54,7 @@ class ColumnParallelLinear(_McoreColumnParallelLinear):
         return _forward(self, super().forward, *args, **kwargs)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
+        _fuse_only_with_main_grad(weight, kwargs)
         input, weight = _cast_for_cpu_autocast(input, weight, kwargs)
         return super()._forward_impl(input, weight, *args, **kwargs)
 
@@ -59,6 +71,7 @@ class RowParallelLinear(_McoreRowParallelLinear):
     def _forward_impl(self, input, weight, *args, **kwargs):
         if kwargs.get("tp_group") is None:
             kwargs["tp_group"] = self.tp_group
+        _fuse_only_with_main_grad(weight, kwargs)
         input, weight = _cast_for_cpu_autocast(input, weight, kwargs)
         return super()._forward_impl(input, weight, *args, **kwargs)
 

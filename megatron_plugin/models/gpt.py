@@ -17,6 +17,7 @@ from ..layers.masks import add_window
 from ..layers.rope import RotaryEmbedding
 from ..plugin import MegatronLMPlugin
 from ..layers.spec import block_spec
+from ..layers import wgrad
 from .family import ModelFamily
 from .gpt2 import gelu_tanh
 from .mapping import StagePlan
@@ -106,6 +107,9 @@ def build_transformer_config(
 ) -> TransformerConfig:
     fields = family.transformer_config(hf_config)
     on_gpu = device_type == "cuda"
+    wgrad_fusion = on_gpu and bool(plugin.gradient_accumulation_fusion)  # prepare resolves None
+    if wgrad_fusion:
+        wgrad.install()
     fields.update(
         tensor_model_parallel_size=plugin.tp_degree,
         pipeline_model_parallel_size=plugin.pp_degree,
@@ -119,7 +123,7 @@ def build_transformer_config(
         # Fusions that need CUDA / apex kernels stay off; TE's own are chosen through the spec.
         bias_activation_fusion=False,
         masked_softmax_fusion=False,
-        gradient_accumulation_fusion=False,
+        gradient_accumulation_fusion=wgrad_fusion,
         persist_layer_norm=False,
         apply_rope_fusion=False,
         bias_dropout_fusion=on_gpu,

@@ -72,6 +72,13 @@ def test_bert_t5_baselines_learn(encoder_baselines):
         assert sum(losses[-5:]) < sum(losses[:5]) * 0.9, (family, losses)
 
 
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_bert_t5_compiled_layers_track_eager_baseline(family, encoder_baselines):
+    """torch_compile=True compiles the encoder's layers too (BERT has no decoder, T5 has both)."""
+    (losses,) = run_on_ranks(_train, 1, dict(family=family, compile="plugin"))
+    _assert_tracks(losses, encoder_baselines[family], f"{family}_compiled")
+
+
 @two_gpus
 @pytest.mark.parametrize("name", list(ENCODER_LAYOUTS_2GPU))
 def test_bert_t5_layouts_track_single_gpu_loss(name, encoder_baselines):
@@ -93,6 +100,27 @@ def test_single_gpu_bf16_logits():
 
 def _logits(kwargs):
     return run_layout(mode="logits", **kwargs)
+
+
+@pytest.mark.parametrize("family", ["bert", "t5"])
+def test_bert_t5_single_gpu_bf16_logits(family):
+    (res,) = run_on_ranks(_logits, 1, dict(family=family))
+    assert res["ours_err"] <= 2 * res["hf_bf16_err"] + 1e-3, res
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "t5"])
+def test_gradient_accumulation_fusion_equals_unfused_fp32(family):
+    """The weight gradients accumulated by the fused GEMM (layers/wgrad.py) are the hook-added ones:
+    in fp32 the two only differ in summation order, over 5 steps of 2 micro-batches."""
+    runs = {f: run_on_ranks(partial(run_layout, family=family, precision="no", steps=5, wgrad_fusion=f), 1)[0]
+            for f in (True, False)}
+    assert max(abs(a - b) / abs(b) for a, b in zip(runs[True], runs[False])) < 1e-5, runs
+
+
+def test_gradient_accumulation_fusion_compiled_equals_unfused_fp32():
+    fused = run_on_ranks(partial(run_layout, precision="no", steps=5, wgrad_fusion=True, compile="plugin"), 1)[0]
+    plain = run_on_ranks(partial(run_layout, precision="no", steps=5, wgrad_fusion=False), 1)[0]
+    assert max(abs(a - b) / abs(b) for a, b in zip(fused, plain)) < 1e-4, (fused, plain)
 
 
 def test_single_gpu_bf16_logits_llama():

@@ -49,7 +49,7 @@ def dataset(n, vocab=1000, seed=3, family="gpt2"):
 
 def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="bf16", mode="train",
                steps=STEPS, total_steps=STEPS, save_dir=None, load_dir=None, recompute=False, compile=None,
-               family="gpt2", frozen=False):
+               family="gpt2", frozen=False, wgrad_fusion=None):
     """compile: None (eager), "plugin" (MegatronLMPlugin(torch_compile=True)) or "accelerate"
     (Accelerator(dynamo_backend="inductor"), as `accelerate config` sets it)."""
     from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
@@ -60,6 +60,7 @@ def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="
         tp_degree=tp, pp_degree=pp, sequence_parallelism=sp, use_distributed_optimizer=distopt,
         num_layers_per_virtual_pipeline_stage=vpp_layers, num_micro_batches=NUM_MICRO,
         return_logits=mode == "logits", recompute_activations=recompute, torch_compile=compile == "plugin",
+        gradient_accumulation_fusion=wgrad_fusion,
     )
     extra = {"dynamo_backend": "inductor"} if compile == "accelerate" else {}
     acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision=precision, **extra)
