@@ -15,6 +15,9 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from random_checkpoint import has_checkpoint, write_random_checkpoint  # noqa: E402
+
 SHAPE = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, num_attention_heads=32,
              num_key_value_heads=32, vocab_size=32000, max_position_embeddings=4096, tie_word_embeddings=False)
 
@@ -22,35 +25,11 @@ SHAPE = dict(hidden_size=4096, intermediate_size=11008, num_hidden_layers=32, nu
 def make_checkpoint(path, shard_bytes=2 * 10**9):
     """Random bf16 weights, drawn on the GPU, written shard by shard."""
     import torch
-    from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if os.path.exists(os.path.join(path, "model.safetensors.index.json")):
-        return
-    cfg = LlamaConfig(**SHAPE, torch_dtype="bfloat16")
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in LlamaForCausalLM(cfg).state_dict().items()}
-    os.makedirs(path, exist_ok=True)
-    cfg.save_pretrained(path)
-    weight_map, total, current, size = {}, 0, {}, 0
-
-    def flush():
-        nonlocal current, size
-        file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
-        save_file(current, os.path.join(path, file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(current, file))
-        current, size = {}, 0
-
-    for name, shape in shapes.items():
-        t = (torch.randn(shape, device="cuda") * 0.02).to(torch.bfloat16).cpu()
-        if current and size + t.numel() * 2 > shard_bytes:
-            flush()
-        current[name] = t
-        size += t.numel() * 2
-        total += t.numel() * 2
-    flush()
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    if not has_checkpoint(path):
+        write_random_checkpoint(path, LlamaForCausalLM, LlamaConfig(**SHAPE, torch_dtype="bfloat16"), shard_bytes,
+                                dtype=torch.bfloat16, device="cuda")
 
 
 def rss_gib():

@@ -7,7 +7,6 @@ times each conversion in a fresh process and reads that process's peak RSS.
 """
 
 import argparse
-import json
 import os
 import shutil
 import subprocess
@@ -15,39 +14,15 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from random_checkpoint import write_random_checkpoint  # noqa: E402
 
 
 def make_checkpoint(path, n_layer=48, n_embd=1600, n_head=25, shard_bytes=2 * 10**9):
-    import torch
-    from safetensors.torch import save_file
     from transformers import GPT2Config, GPT2LMHeadModel
 
     cfg = GPT2Config(n_layer=n_layer, n_embd=n_embd, n_head=n_head)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in GPT2LMHeadModel(cfg).state_dict().items() if k != "lm_head.weight"}
-    os.makedirs(path, exist_ok=True)
-    cfg.save_pretrained(path)
-    g = torch.Generator().manual_seed(0)
-    weight_map, total, current, size = {}, 0, {}, 0
-
-    def flush():
-        nonlocal current, size
-        file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
-        save_file(current, os.path.join(path, file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(current, file))
-        current, size = {}, 0
-
-    for name, shape in shapes.items():  # one shard in memory at a time
-        t = torch.randn(shape, generator=g) * 0.02
-        if current and size + t.numel() * 4 > shard_bytes:
-            flush()
-        current[name] = t
-        size += t.numel() * 4
-        total += t.numel() * 4
-    flush()
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
-    return total, max(os.path.getsize(os.path.join(path, f)) for f in set(weight_map.values()))
+    return write_random_checkpoint(path, GPT2LMHeadModel, cfg, shard_bytes, skip=("lm_head.weight",))
 
 
 CHILD = """

@@ -15,42 +15,18 @@ import subprocess
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from random_checkpoint import has_checkpoint, write_random_checkpoint  # noqa: E402
+
 SHAPE = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
              num_key_value_heads=8, vocab_size=32000, max_position_embeddings=256, tie_word_embeddings=False)
 
 
 def make_checkpoint(path, shard_bytes=10**9):
-    import torch
-    from safetensors.torch import save_file
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if os.path.exists(os.path.join(path, "model.safetensors.index.json")):
-        return
-    cfg = LlamaConfig(**SHAPE)
-    with torch.device("meta"):
-        shapes = {k: v.shape for k, v in LlamaForCausalLM(cfg).state_dict().items()}
-    os.makedirs(path, exist_ok=True)
-    cfg.save_pretrained(path)
-    g = torch.Generator().manual_seed(0)
-    weight_map, total, current, size = {}, 0, {}, 0
-
-    def flush():
-        nonlocal current, size
-        file = f"model-{len(set(weight_map.values())) + 1:05d}.safetensors"
-        save_file(current, os.path.join(path, file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(current, file))
-        current, size = {}, 0
-
-    for name, shape in shapes.items():
-        t = torch.randn(shape, generator=g) * 0.02
-        if current and size + t.numel() * 4 > shard_bytes:
-            flush()
-        current[name] = t
-        size += t.numel() * 4
-        total += t.numel() * 4
-    flush()
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f)
+    if not has_checkpoint(path):
+        write_random_checkpoint(path, LlamaForCausalLM, LlamaConfig(**SHAPE), shard_bytes)
 
 
 def rss():

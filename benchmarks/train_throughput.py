@@ -126,7 +126,7 @@ def build_step(args):
         plugin = MegatronLMPlugin(tp_degree=args.tp, pp_degree=args.pp, num_micro_batches=args.num_micro,
                                   sequence_parallelism=args.sp, use_distributed_optimizer=args.distopt,
                                   recompute_activations=args.recompute, fused_kernels=args.fused,
-                                  gradient_accumulation_fusion=False if args.no_wgrad_fusion else None,
+                                  gradient_accumulation_fusion=False if args.no_wgrad_fusion else (True if args.wgrad_fusion else None),
                                   torch_compile=args.mode == "megatron_compile")
         acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16")
         loader = DataLoader(data * (args.steps + args.warmup), batch_size=micro, drop_last=True)
@@ -183,7 +183,7 @@ def measure(args):
     name = torch.cuda.get_device_name()
     variant = args.mode
     if args.mode.startswith("megatron"):
-        variant += "".join(f"+{f}" for f in ("sp", "distopt", "recompute", "fused", "no_wgrad_fusion") if getattr(args, f))
+        variant += "".join(f"+{f}" for f in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion") if getattr(args, f))
     if args.num_micro > 1:
         variant += f" ({args.num_micro} micro-batches)"
     result = {
@@ -203,7 +203,7 @@ def drive(args):
             cmd = [sys.executable, os.path.abspath(__file__), "--one", "--size", size, "--mode", mode]
             for key in ("seq", "global_batch", "steps", "warmup", "tp", "pp", "num_micro"):
                 cmd += [f"--{key}", str(getattr(args, key))]
-            cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused", "no_wgrad_fusion") if getattr(args, flag)]
+            cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion") if getattr(args, flag)]
             if args.nproc > 1:
                 cmd = ["torchrun", "--nproc-per-node", str(args.nproc)] + cmd[1:]
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -242,6 +242,8 @@ def parser(description=__doc__.splitlines()[0]):
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--fused", action="store_true", help="megatron: MegatronLMPlugin(fused_kernels=True)")
+    p.add_argument("--wgrad_fusion", action="store_true",
+                   help="megatron: MegatronLMPlugin(gradient_accumulation_fusion=True), compiled layers too")
     p.add_argument("--no_wgrad_fusion", action="store_true",
                    help="megatron: MegatronLMPlugin(gradient_accumulation_fusion=False)")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)

@@ -130,8 +130,8 @@ class MegatronLMPlugin:
         default=None,
         metadata={"help": "on CUDA with bf16/fp16, compute each linear's weight gradient straight into the fp32 "
                           "main-gradient buffer (Megatron's --gradient-accumulation-fusion, here without apex); "
-                          "default: on for CUDA unless torch_compile (there the linears would have to leave the "
-                          "compiled graph, which costs far more than the fusion saves: BENCHMARKS.md)"},
+                          "default: on for CUDA with eager layers; with compiled layers only when set to True "
+                          "(there it runs as custom ops inside the compiled graph, not yet measured on GPU)"},
     )
     torch_compile: bool = field(
         default=False,

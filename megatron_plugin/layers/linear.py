@@ -6,6 +6,8 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear as _McoreColumnParallelLinear
 from megatron.core.tensor_parallel import RowParallelLinear as _McoreRowParallelLinear
 
+from . import wgrad
+
 
 @torch.compiler.disable
 def _outside_compiled_graph(fn, *args, **kwargs):
@@ -15,15 +17,19 @@ def _outside_compiled_graph(fn, *args, **kwargs):
 def _forward(layer, parent_forward, *args, **kwargs):
     """Under torch.compile with TP > 1 the linear, with its collectives and mcore's custom autograd
     function (async all-gather/reduce-scatter into a shared buffer for SP), runs eagerly between the
-    compiled pieces of the layer: compiled whole, TP=2 + SP trained to wrong losses on GPU. So does a
-    linear whose weight gradient accumulates in place into the fp32 main_grad (`wgrad.py`): a side
-    effect in backward that the compiler must not see. The GEMM gains nothing from compiling; the
-    norms, attention and elementwise work around it stay compiled."""
-    if torch.compiler.is_compiling() and (
-        layer.gradient_accumulation_fusion or (layer.tp_group is not None and layer.tp_group.size() > 1)
-    ):
+    compiled pieces of the layer: compiled whole, TP=2 + SP trained to wrong losses on GPU. The GEMM
+    gains nothing from compiling; the norms, attention and elementwise work around it stay compiled."""
+    if layer.tp_group is not None and layer.tp_group.size() > 1 and torch.compiler.is_compiling():
         return _outside_compiled_graph(parent_forward, *args, **kwargs)
     return parent_forward(*args, **kwargs)
+
+
+def _compiled_fused_linear(input, weight, kwargs):
+    """Inside a compiled layer (TP = 1 there, see `_forward`) a linear with gradient-accumulation fusion
+    is `wgrad.fused_linear`, custom ops the compiled graph calls as they are; None otherwise."""
+    if torch.compiler.is_compiling() and kwargs.get("gradient_accumulation_fusion") and weight.requires_grad:
+        return wgrad.fused_linear(input, weight, kwargs.get("bias"))
+    return None
 
 
 def _fuse_only_with_main_grad(weight, kwargs):
@@ -54,6 +60,9 @@ class ColumnParallelLinear(_McoreColumnParallelLinear):
         return _forward(self, super().forward, *args, **kwargs)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
+        out = _compiled_fused_linear(input, weight, kwargs)
+        if out is not None:
+            return out
         _fuse_only_with_main_grad(weight, kwargs)
         input, weight = _cast_for_cpu_autocast(input, weight, kwargs)
         return super()._forward_impl(input, weight, *args, **kwargs)
@@ -69,6 +78,9 @@ class RowParallelLinear(_McoreRowParallelLinear):
         return _forward(self, super().forward, *args, **kwargs)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
+        out = _compiled_fused_linear(input, weight, kwargs)
+        if out is not None:
+            return out
         if kwargs.get("tp_group") is None:
             kwargs["tp_group"] = self.tp_group
         _fuse_only_with_main_grad(weight, kwargs)
