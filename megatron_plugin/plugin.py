@@ -131,7 +131,8 @@ class MegatronLMPlugin:
         metadata={"help": "on CUDA with bf16/fp16, compute each linear's weight gradient straight into the fp32 "
                           "main-gradient buffer (Megatron's --gradient-accumulation-fusion, here without apex); "
                           "default: on for CUDA with eager layers; with compiled layers only when set to True "
-                          "(there it runs as custom ops inside the compiled graph, not yet measured on GPU)"},
+                          "(there the linears, and under TP their reductions, run as custom ops inside the "
+                          "compiled graphs, without graph breaks; not yet measured on GPU)"},
     )
     torch_compile: bool = field(
         default=False,

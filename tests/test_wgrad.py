@@ -1,11 +1,20 @@
 """layers/wgrad.py: the weight-gradient GEMM that accumulates into the fp32 main_grad (apex's
-`fused_weight_gradient_mlp_cuda` on torch). Its bf16 path (cuBLAS fp32 output) is checked on GPU
-against the unfused path (tests/gpu: test_gradient_accumulation_fusion_*); here its fp32 path and its
-installation into Megatron-Core."""
+`fused_weight_gradient_mlp_cuda` on torch), and layers/compiled_linear.py: the parallel linear as
+custom ops for compiled layers. Their bf16 paths (cuBLAS fp32 output, NCCL) are checked on GPU against
+the unfused path (tests/gpu: test_gradient_accumulation_fusion_*); here their fp32 paths, compiled by
+Inductor on CPU, under TP = 1 and 2 (gloo)."""
 
+import os
+
+import pytest
 import torch
 
-from megatron_plugin.layers import wgrad
+from megatron_plugin.layers import compiled_linear, wgrad
+from tests.spawn import run_on_ranks
+
+
+def _fused(x, w, b):
+    return compiled_linear.parallel_linear(x, w, b, fuse_wgrad=True)
 
 
 def test_fp32_wgrad_accumulates_into_main_grad():
@@ -58,7 +67,7 @@ def test_fused_linear_compiled_accumulates_into_main_grad():
         for _ in range(2):
             x = torch.randn(3, 5, 16)
             xf, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
-            step(xf, wgrad.fused_linear).square().sum().backward()
+            step(xf, _fused).square().sum().backward()
             plain(xp, torch.nn.functional.linear).square().sum().backward()
             assert (xf.grad - xp.grad).abs().max().item() < 1e-5
         for w, ref in ((fused.weight, plain.weight), (fused.proj, plain.proj)):
@@ -71,10 +80,64 @@ def test_fused_linear_compiled_accumulates_into_main_grad():
 
 def test_fused_linear_without_main_grad_says_so():
     w = torch.nn.Parameter(torch.randn(4, 4))
-    out = wgrad.fused_linear(torch.randn(2, 4), w)
+    out = _fused(torch.randn(2, 4), w, None)
     try:
         out.sum().backward()
     except RuntimeError as e:
         assert "main_grad" in str(e)
     else:
         raise AssertionError("a fused linear without main_grad trained silently")
+
+
+def _compiled_ops_worker(family):
+    """A Megatron model built from HF weights twice: eager with autograd's gradients, and with its
+    transformer layers compiled (Inductor), running their linears as `compiled_linear` ops that
+    accumulate weight gradients into main_grad (column/row-parallel, with the TP all-reduces as ops
+    under TP = 2). Two backward passes (micro-batches)."""
+    from megatron_plugin import MegatronLMPlugin
+    from megatron_plugin.engine.distributed import initialize
+    from megatron_plugin.engine.gpu import transformer_layers
+    from megatron_plugin.models.modeling import MegatronModel
+    from tests.models import tiny_gpt2, tiny_llama
+
+    plugin = MegatronLMPlugin(tp_degree=int(os.environ["WORLD_SIZE"]))
+    hf = tiny_gpt2() if family == "gpt2" else tiny_llama()
+    initialize(plugin, hf.config)
+    eager, ops = (MegatronModel.from_hf(hf, plugin) for _ in range(2))
+    for layer in transformer_layers(ops.module):
+        layer.config.gradient_accumulation_fusion = True  # one config object for every layer
+        for m in layer.modules():
+            if hasattr(m, "gradient_accumulation_fusion"):
+                m.gradient_accumulation_fusion = True
+                m.weight.main_grad = torch.zeros_like(m.weight)
+        layer.compile(backend="inductor", fullgraph=False)
+    g = torch.Generator().manual_seed(2)
+    losses = {"eager": [], "ops": []}
+    for _ in range(2):
+        ids = torch.randint(0, hf.config.vocab_size, (2, 10), generator=g)
+        labels = torch.roll(ids, -1, dims=1)
+        for name, model in (("eager", eager), ("ops", ops)):
+            loss = model(ids, labels=labels).mean()
+            loss.backward()
+            losses[name].append(loss.item())
+    worst = 0.0
+    fused = 0
+    for (name, p), (_, q) in zip(eager.module.named_parameters(), ops.module.named_parameters()):
+        got = q.main_grad if hasattr(q, "main_grad") else q.grad
+        fused += hasattr(q, "main_grad")
+        worst = max(worst, ((got - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)).item())
+    import torch._dynamo.utils as du
+
+    breaks = sum(du.counters["graph_break"].values())
+    return {"losses": losses, "worst_grad_rel": worst, "fused": fused, "graph_breaks": breaks}
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_compiled_layers_with_linear_ops_match_eager_gradients(family, world_size):
+    for res in run_on_ranks(_compiled_ops_worker, world_size, family):
+        assert res["fused"] >= 4 * 2, res  # qkv, proj, fc1, fc2 of each of the 2 layers
+        for a, b in zip(res["losses"]["ops"], res["losses"]["eager"]):
+            assert abs(a - b) <= 1e-5 * abs(b), res
+        assert res["worst_grad_rel"] < 1e-4, res
+        assert res["graph_breaks"] == 0, res  # the linears and TP sums stay inside the compiled graphs

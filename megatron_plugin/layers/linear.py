@@ -6,7 +6,7 @@ import torch
 from megatron.core.tensor_parallel import ColumnParallelLinear as _McoreColumnParallelLinear
 from megatron.core.tensor_parallel import RowParallelLinear as _McoreRowParallelLinear
 
-from . import wgrad
+from . import compiled_linear
 
 
 @torch.compiler.disable
@@ -14,22 +14,33 @@ def _outside_compiled_graph(fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+def _as_ops(layer) -> bool:
+    """Whether this linear runs as custom ops here: inside a compiled layer, when the weight gradient
+    accumulates into main_grad (`gradient_accumulation_fusion`); see `compiled_linear.py`."""
+    return torch.compiler.is_compiling() and layer.config.gradient_accumulation_fusion
+
+
 def _forward(layer, parent_forward, *args, **kwargs):
     """Under torch.compile with TP > 1 the linear, with its collectives and mcore's custom autograd
     function (async all-gather/reduce-scatter into a shared buffer for SP), runs eagerly between the
     compiled pieces of the layer: compiled whole, TP=2 + SP trained to wrong losses on GPU. The GEMM
-    gains nothing from compiling; the norms, attention and elementwise work around it stay compiled."""
-    if layer.tp_group is not None and layer.tp_group.size() > 1 and torch.compiler.is_compiling():
+    gains nothing from compiling; the norms, attention and elementwise work around it stay compiled.
+    As custom ops (`_as_ops`) it stays in the graph instead."""
+    if (layer.tp_group is not None and layer.tp_group.size() > 1 and torch.compiler.is_compiling()
+            and not _as_ops(layer)):
         return _outside_compiled_graph(parent_forward, *args, **kwargs)
     return parent_forward(*args, **kwargs)
 
 
-def _compiled_fused_linear(input, weight, kwargs):
-    """Inside a compiled layer (TP = 1 there, see `_forward`) a linear with gradient-accumulation fusion
-    is `wgrad.fused_linear`, custom ops the compiled graph calls as they are; None otherwise."""
-    if torch.compiler.is_compiling() and kwargs.get("gradient_accumulation_fusion") and weight.requires_grad:
-        return wgrad.fused_linear(input, weight, kwargs.get("bias"))
-    return None
+def _ops_linear(layer, input, weight, kwargs):
+    """The linear as `compiled_linear` ops (see `_as_ops`), with mcore's arguments; None when not."""
+    if not _as_ops(layer):
+        return None
+    gather_input, dgrad = compiled_linear.column_args(kwargs)
+    return compiled_linear.parallel_linear(
+        input, weight, kwargs.get("bias"), compiled_linear.group_name(layer.tp_group), gather_input, dgrad,
+        fuse_wgrad=bool(kwargs.get("gradient_accumulation_fusion")),
+    )
 
 
 def _fuse_only_with_main_grad(weight, kwargs):
@@ -60,7 +71,7 @@ class ColumnParallelLinear(_McoreColumnParallelLinear):
         return _forward(self, super().forward, *args, **kwargs)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        out = _compiled_fused_linear(input, weight, kwargs)
+        out = _ops_linear(self, input, weight, kwargs)
         if out is not None:
             return out
         _fuse_only_with_main_grad(weight, kwargs)
@@ -72,13 +83,28 @@ class RowParallelLinear(_McoreRowParallelLinear):
     """mcore 0.16's RowParallelLinear hands `tp_group=None` to its matmul, which then raises a
     deprecation warning on every call: host time each step, and a graph break that keeps
     torch.compile from capturing a transformer layer whole. Hand it the layer's own group. Trains
-    under CPU autocast too (see `_cast_for_cpu_autocast`), and stays out of compiled graphs with TP > 1."""
+    under CPU autocast too (see `_cast_for_cpu_autocast`), and stays out of compiled graphs with TP > 1
+    unless it runs as custom ops (`_as_ops`)."""
 
-    def forward(self, *args, **kwargs):
-        return _forward(self, super().forward, *args, **kwargs)
+    def forward(self, input_, *args, **kwargs):
+        if (_as_ops(self) and self.tp_group is not None and self.tp_group.size() > 1 and self.input_is_parallel
+                and not self.explicit_expert_comm):
+            return self._ops_forward(input_)
+        return _forward(self, super().forward, input_, *args, **kwargs)
+
+    def _ops_forward(self, input_):
+        """mcore's forward for an input split over TP, with the linear and the TP sum (all-reduce, or
+        reduce-scatter over the sequence under SP) as `compiled_linear` ops."""
+        group = compiled_linear.group_name(self.tp_group)
+        out = compiled_linear.parallel_linear(input_, self.weight, None, group,
+                                              fuse_wgrad=self.gradient_accumulation_fusion)
+        out = compiled_linear.tp_reduce(out, group, scatter_seq=self.sequence_parallel)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        out = _compiled_fused_linear(input, weight, kwargs)
+        out = _ops_linear(self, input, weight, kwargs)
         if out is not None:
             return out
         if kwargs.get("tp_group") is None:

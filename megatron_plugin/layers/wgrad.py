@@ -12,7 +12,6 @@ puts this module there, only where apex's own is missing.
 from __future__ import annotations
 
 import sys
-from typing import Optional
 
 import torch
 
@@ -41,56 +40,3 @@ def install() -> bool:
     layers._grad_accum_fusion_available = True
     return True
 
-
-# Inside a compiled layer the linear must not be mcore's autograd function: its backward writes into
-# main_grad, a side effect the compiler cannot see, and sending it back to eager splits the layer's graph
-# into resume frames that cost more than the fusion saves (BENCHMARKS.md). As custom ops the linear and its
-# weight gradient are opaque nodes of the compiled graphs: no graph break, and the weight-gradient op gets
-# the real parameter (with its main_grad) at run time.
-@torch.library.custom_op("megatron_plugin::linear", mutates_args=())
-def _linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
-    return torch.nn.functional.linear(input, weight, bias)
-
-
-@_linear.register_fake
-def _(input, weight, bias):
-    return input.new_empty(*input.shape[:-1], weight.shape[0])
-
-
-@torch.library.custom_op("megatron_plugin::weight_grad_into_main_grad", mutates_args=())
-def _weight_grad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Adds this weight's gradient into weight.main_grad and returns what autograd hands DDP's hook
-    instead (the hook skips it: `grad_added_to_main_grad`), as mcore's fused path does."""
-    main_grad = getattr(weight, "main_grad", None)
-    if main_grad is None:
-        raise RuntimeError("gradient_accumulation_fusion: a fused linear's weight has no main_grad (DDP's buffer)")
-    go, x = grad_output.reshape(-1, grad_output.shape[-1]), input.reshape(-1, input.shape[-1])
-    (wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32 else wgrad_gemm_accum_fp16)(x, go, main_grad)
-    weight.grad_added_to_main_grad = True
-    # a weight shared with the embedding (tied) also gets the lookup's gradient, which the hook adds
-    return torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
-
-
-@_weight_grad.register_fake
-def _(grad_output, input, weight):
-    return torch.empty_like(weight)
-
-
-def _setup(ctx, inputs, output):
-    input, weight, bias = inputs
-    ctx.save_for_backward(input, weight)
-    ctx.has_bias = bias is not None
-
-
-def _backward(ctx, grad_output):
-    input, weight = ctx.saved_tensors
-    grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if ctx.has_bias else None
-    return grad_output @ weight, _weight_grad(grad_output, input, weight), grad_bias
-
-
-_linear.register_autograd(_backward, setup_context=_setup)
-
-
-def fused_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """input @ weight.T + bias whose weight gradient accumulates into weight.main_grad (no TP comm)."""
-    return _linear(input, weight, bias)

@@ -26,6 +26,9 @@ LAYOUTS_2GPU = {
     # compiled layers with TP: the TP linears run eagerly inside them (layers/linear.py)
     "tp2_compiled": dict(tp=2, compile="plugin"),
     "tp2_sp_compiled": dict(tp=2, sp=True, compile="plugin"),
+    # compiled layers whose linears and TP sums are custom ops (layers/compiled_linear.py)
+    "tp2_compiled_linear_ops": dict(tp=2, compile="plugin", wgrad_fusion=True),
+    "tp2_sp_compiled_linear_ops": dict(tp=2, sp=True, compile="plugin", wgrad_fusion=True),
 }
 # the Llama family (GQA, RoPE, SwiGLU, RMSNorm) in the layouts people train it with
 LLAMA_LAYOUTS_2GPU = {

@@ -1,0 +1,176 @@
+"""Megatron's parallel linear as custom ops, for compiled transformer layers.
+
+Inside a compiled layer, mcore's linear autograd function is a problem twice over: its backward writes
+the weight gradient into `main_grad` (gradient-accumulation fusion), a side effect the compiler cannot
+see, and with TP > 1 it runs collectives into a buffer shared by every layer. Sending it back to eager
+(`torch.compiler.disable`) splits each layer into resume frames whose host cost outweighs what
+compiling gains (BENCHMARKS.md: 350m compiled with the split 114,807 tok/s against 163,189). As custom
+ops the linear, its backward and the TP reductions are opaque nodes that the compiled graphs call as
+they are: no graph break, fresh buffers, and the weight-gradient op gets the real parameter (with its
+main_grad) at run time.
+
+What each op computes is what mcore's `LinearWithGradAccumulationAndAsyncCommunication` and its
+`reduce_from_tensor_model_parallel_region` / `reduce_scatter_to_sequence_parallel_region` compute; the
+process group travels by name (custom ops take no Python objects).
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from .wgrad import wgrad_gemm_accum_fp16, wgrad_gemm_accum_fp32
+
+# how the input gradient is combined over the TP group
+DGRAD_NONE, DGRAD_ALL_REDUCE, DGRAD_REDUCE_SCATTER = 0, 1, 2
+
+
+def _size(group: str) -> int:
+    return _resolve_process_group(group).size() if group else 1
+
+
+def _gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:
+    """All-gather along dim 0 (the sequence, under sequence parallelism)."""
+    out = x.new_empty(x.shape[0] * _size(group), *x.shape[1:])
+    dist.all_gather_into_tensor(out, x.contiguous(), group=_resolve_process_group(group))
+    return out
+
+
+@torch.library.custom_op("megatron_plugin::parallel_linear", mutates_args=())
+def _parallel_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: str,
+                     gather_input: bool, dgrad: int, fuse_wgrad: bool) -> torch.Tensor:
+    total = _gather_seq(input, group) if gather_input else input
+    return torch.nn.functional.linear(total, weight, bias)
+
+
+@_parallel_linear.register_fake
+def _(input, weight, bias, group, gather_input, dgrad, fuse_wgrad):
+    s = input.shape[0] * (_size(group) if gather_input else 1)
+    return input.new_empty(s, *input.shape[1:-1], weight.shape[0])
+
+
+@torch.library.custom_op("megatron_plugin::parallel_linear_backward", mutates_args=())
+def _parallel_linear_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, group: str,
+                              gather_input: bool, dgrad: int, fuse_wgrad: bool, has_bias: bool,
+                              need_wgrad: bool) -> List[torch.Tensor]:
+    """[grad_input, grad_weight, grad_bias]. The input gradient's collective runs while the weight
+    gradient is computed, as mcore overlaps them. With `fuse_wgrad` the weight gradient goes into
+    weight.main_grad and grad_weight is what DDP's hook then skips (`grad_added_to_main_grad`)."""
+    pg = _resolve_process_group(group) if group else None
+    total = _gather_seq(input, group) if gather_input else input
+    grad_total = grad_output @ weight
+    handle = None
+    if dgrad == DGRAD_ALL_REDUCE:
+        grad_input = grad_total
+        handle = dist.all_reduce(grad_input, group=pg, async_op=True)
+    elif dgrad == DGRAD_REDUCE_SCATTER:
+        grad_input = grad_total.new_empty(input.shape)
+        handle = dist.reduce_scatter_tensor(grad_input, grad_total.contiguous(), group=pg, async_op=True)
+    else:
+        grad_input = grad_total
+    go = grad_output.reshape(-1, grad_output.shape[-1])
+    x = total.reshape(-1, total.shape[-1])
+    if not need_wgrad:  # a frozen weight
+        grad_weight = torch.empty_like(weight)
+    elif fuse_wgrad:
+        main_grad = getattr(weight, "main_grad", None)
+        if main_grad is None:
+            raise RuntimeError("gradient_accumulation_fusion: a fused linear's weight has no main_grad (DDP's buffer)")
+        (wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32 else wgrad_gemm_accum_fp16)(x, go, main_grad)
+        weight.grad_added_to_main_grad = True
+        # a weight shared with the embedding (tied) also gets the lookup's gradient, which the hook adds
+        grad_weight = torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
+    else:
+        grad_weight = go.t() @ x
+    grad_bias = go.sum(0) if has_bias else go.new_empty(0)
+    if handle is not None:
+        handle.wait()
+    return [grad_input, grad_weight, grad_bias]
+
+
+@_parallel_linear_backward.register_fake
+def _(grad_output, input, weight, group, gather_input, dgrad, fuse_wgrad, has_bias, need_wgrad):
+    return [torch.empty_like(input), torch.empty_like(weight),
+            grad_output.new_empty(grad_output.shape[-1] if has_bias else 0)]
+
+
+def _setup(ctx, inputs, output):
+    input, weight, bias, group, gather_input, dgrad, fuse_wgrad = inputs
+    ctx.save_for_backward(input, weight)
+    ctx.args = (group, gather_input, dgrad, fuse_wgrad, bias is not None)
+
+
+def _backward(ctx, grad_output):
+    input, weight = ctx.saved_tensors
+    grad_input, grad_weight, grad_bias = _parallel_linear_backward(grad_output, input, weight, *ctx.args,
+                                                                   ctx.needs_input_grad[1])
+    return (grad_input, grad_weight if ctx.needs_input_grad[1] else None, grad_bias if ctx.args[-1] else None,
+            None, None, None, None)
+
+
+_parallel_linear.register_autograd(_backward, setup_context=_setup)
+
+
+@torch.library.custom_op("megatron_plugin::tp_reduce", mutates_args=())
+def _tp_reduce(x: torch.Tensor, group: str, scatter_seq: bool) -> torch.Tensor:
+    """Sum over the TP group: whole (all-reduce) or this rank's part of the sequence (reduce-scatter)."""
+    pg = _resolve_process_group(group)
+    if scatter_seq:
+        out = x.new_empty(x.shape[0] // pg.size(), *x.shape[1:])
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=pg)
+        return out
+    out = x.clone()
+    dist.all_reduce(out, group=pg)
+    return out
+
+
+@_tp_reduce.register_fake
+def _(x, group, scatter_seq):
+    return x.new_empty(x.shape[0] // (_size(group) if scatter_seq else 1), *x.shape[1:])
+
+
+@torch.library.custom_op("megatron_plugin::tp_gather_seq", mutates_args=())
+def _tp_gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:
+    return _gather_seq(x, group)
+
+
+@_tp_gather_seq.register_fake
+def _(x, group):
+    return x.new_empty(x.shape[0] * _size(group), *x.shape[1:])
+
+
+def _reduce_setup(ctx, inputs, output):
+    ctx.group, ctx.scatter_seq = inputs[1], inputs[2]
+
+
+def _reduce_backward(ctx, grad):
+    # the sum's gradient is the same on every rank: identity, or the whole sequence back from its parts
+    return (_tp_gather_seq(grad, ctx.group) if ctx.scatter_seq else grad), None, None
+
+
+_tp_reduce.register_autograd(_reduce_backward, setup_context=_reduce_setup)
+
+
+def group_name(group) -> str:
+    """How a TP group travels into the ops: its name, or '' for no group / one rank."""
+    return group.group_name if group is not None and group.size() > 1 else ""
+
+
+def parallel_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: str = "",
+                    gather_input: bool = False, dgrad: int = DGRAD_NONE, fuse_wgrad: bool = False) -> torch.Tensor:
+    """input @ weight.T + bias for a column- or row-parallel linear (see the module docstring)."""
+    return _parallel_linear(input, weight, bias, group, gather_input, dgrad, fuse_wgrad)
+
+
+def tp_reduce(x: torch.Tensor, group: str, scatter_seq: bool) -> torch.Tensor:
+    return _tp_reduce(x, group, scatter_seq)
+
+
+def column_args(kwargs) -> Tuple[bool, int]:
+    """(gather_input, dgrad) from the arguments mcore hands a column-parallel linear's `_forward_impl`."""
+    if kwargs.get("sequence_parallel"):
+        return True, DGRAD_REDUCE_SCATTER
+    return False, DGRAD_ALL_REDUCE if kwargs.get("allreduce_dgrad") else DGRAD_NONE
