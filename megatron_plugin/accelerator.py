@@ -166,7 +166,7 @@ class Accelerator(accelerate.Accelerator):
         compile_kwargs = layer_compile_kwargs(plugin, getattr(self.state, "dynamo_plugin", None))
         check_compile(plugin, compile_kwargs, self.device.type)
         if plugin.gradient_accumulation_fusion is None:
-            # measured faster with eager layers; with compiled ones (custom ops, wgrad.py) not yet measured
+            # measured faster with eager layers; with compiled ones (custom ops, compiled_linear.py) not yet measured
             plugin.gradient_accumulation_fusion = self.device.type == "cuda" and compile_kwargs is None
         if self.device.type == "cpu":
             check_cpu_support(plugin)

@@ -193,6 +193,12 @@ class MegatronLMPlugin:
             raise MegatronPluginConfigError(
                 "custom_train_step_kwargs", self.custom_train_step_kwargs, "pass a dict of keyword arguments"
             )
+        fusion = self.gradient_accumulation_fusion
+        if not (fusion is None or isinstance(fusion, bool)):
+            raise MegatronPluginConfigError(
+                "gradient_accumulation_fusion", fusion,
+                "use True, False, or None (the default: on for CUDA with eager layers)",
+            )
         if self.sequence_parallelism and self.tp_degree == 1:
             raise MegatronPluginConfigError(
                 "sequence_parallelism", True, "sequence parallelism shards over TP ranks: set tp_degree > 1 or turn it off"

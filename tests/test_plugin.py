@@ -75,6 +75,13 @@ def test_degrees_below_one(clean_env, field, value):
         MegatronLMPlugin(**{field: value})
 
 
+@pytest.mark.parametrize("value", ["no", 1, "True"])
+def test_gradient_accumulation_fusion_takes_bools_only(clean_env, value):
+    # a string from a config file would otherwise read as True
+    with pytest.raises(MegatronPluginConfigError, match=f"gradient_accumulation_fusion={value!r}"):
+        MegatronLMPlugin(gradient_accumulation_fusion=value)
+
+
 def test_sequence_parallel_needs_tp(clean_env):
     with pytest.raises(MegatronPluginConfigError, match="tp_degree > 1"):
         MegatronLMPlugin(sequence_parallelism=True)
