@@ -242,10 +242,11 @@ def parser(description=__doc__.splitlines()[0]):
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--fused", action="store_true", help="megatron: MegatronLMPlugin(fused_kernels=True)")
-    p.add_argument("--wgrad_fusion", action="store_true",
-                   help="megatron: MegatronLMPlugin(gradient_accumulation_fusion=True), compiled layers too")
-    p.add_argument("--no_wgrad_fusion", action="store_true",
-                   help="megatron: MegatronLMPlugin(gradient_accumulation_fusion=False)")
+    fusion = p.add_mutually_exclusive_group()
+    fusion.add_argument("--wgrad_fusion", action="store_true",
+                        help="megatron: MegatronLMPlugin(gradient_accumulation_fusion=True), compiled layers too")
+    fusion.add_argument("--no_wgrad_fusion", action="store_true",
+                        help="megatron: MegatronLMPlugin(gradient_accumulation_fusion=False)")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     return p
 

@@ -89,6 +89,19 @@ def test_fused_linear_without_main_grad_says_so():
         raise AssertionError("a fused linear without main_grad trained silently")
 
 
+def _compile_with_linear_ops(layers):
+    """What the GPU engine does with gradient_accumulation_fusion=True and compiled layers, on CPU: the
+    linears fuse their weight gradients into main_grad (a zeroed buffer here, DDP's on GPU), and each
+    layer is compiled by Inductor."""
+    for layer in layers:
+        layer.config.gradient_accumulation_fusion = True  # one config object for every layer
+        for m in layer.modules():
+            if hasattr(m, "gradient_accumulation_fusion"):
+                m.gradient_accumulation_fusion = True
+                m.weight.main_grad = torch.zeros_like(m.weight)
+        layer.compile(backend="inductor")
+
+
 def _compiled_ops_worker(family):
     """A Megatron model built from HF weights twice: eager with autograd's gradients, and with its
     transformer layers compiled (Inductor), running their linears as `compiled_linear` ops that
@@ -104,13 +117,7 @@ def _compiled_ops_worker(family):
     hf = tiny_gpt2() if family == "gpt2" else tiny_llama()
     initialize(plugin, hf.config)
     eager, ops = (MegatronModel.from_hf(hf, plugin) for _ in range(2))
-    for layer in transformer_layers(ops.module):
-        layer.config.gradient_accumulation_fusion = True  # one config object for every layer
-        for m in layer.modules():
-            if hasattr(m, "gradient_accumulation_fusion"):
-                m.gradient_accumulation_fusion = True
-                m.weight.main_grad = torch.zeros_like(m.weight)
-        layer.compile(backend="inductor", fullgraph=False)
+    _compile_with_linear_ops(transformer_layers(ops.module))
     g = torch.Generator().manual_seed(2)
     losses = {"eager": [], "ops": []}
     for _ in range(2):
@@ -160,13 +167,7 @@ def _sequence_parallel_ops_worker():
     initialize(sp_plugin, hf.config)
     plain = MegatronModel.from_hf(hf, MegatronLMPlugin(tp_degree=2)).module.decoder
     sp = MegatronModel.from_hf(hf, sp_plugin).module.decoder
-    for layer in sp.layers:
-        layer.config.gradient_accumulation_fusion = True
-        for m in layer.modules():
-            if hasattr(m, "gradient_accumulation_fusion"):
-                m.gradient_accumulation_fusion = True
-                m.weight.main_grad = torch.zeros_like(m.weight)
-        layer.compile(backend="inductor")
+    _compile_with_linear_ops(sp.layers)
     rank, group = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group()
     g = torch.Generator().manual_seed(4)
     h = torch.randn(8, 2, hf.config.n_embd, generator=g)

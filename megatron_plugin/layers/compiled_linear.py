@@ -34,8 +34,9 @@ def _size(group: str) -> int:
 
 def _gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:
     """All-gather along dim 0 (the sequence, under sequence parallelism)."""
-    out = x.new_empty(x.shape[0] * _size(group), *x.shape[1:])
-    dist.all_gather_into_tensor(out, x.contiguous(), group=_resolve_process_group(group))
+    pg = _resolve_process_group(group)
+    out = x.new_empty(x.shape[0] * pg.size(), *x.shape[1:])
+    dist.all_gather_into_tensor(out, x.contiguous(), group=pg)
     return out
 
 

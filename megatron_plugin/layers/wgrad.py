@@ -39,4 +39,3 @@ def install() -> bool:
     layers.fused_weight_gradient_mlp_cuda = sys.modules[__name__]
     layers._grad_accum_fusion_available = True
     return True
-
