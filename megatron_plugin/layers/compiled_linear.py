@@ -1,17 +1,18 @@
-"""Megatron's parallel linear as custom ops, for compiled transformer layers.
+"""Megatron's parallel linear for compiled transformer layers, with the weight gradient fused into main_grad.
 
 Inside a compiled layer, mcore's linear autograd function is a problem twice over: its backward writes
 the weight gradient into `main_grad` (gradient-accumulation fusion), a side effect the compiler cannot
 see, and with TP > 1 it runs collectives into a buffer shared by every layer. Sending it back to eager
 (`torch.compiler.disable`) splits each layer into resume frames whose host cost outweighs what
-compiling gains (BENCHMARKS.md: 350m compiled with the split 114,807 tok/s against 163,189). As custom
-ops the linear, its backward and the TP reductions are opaque nodes that the compiled graphs call as
-they are: no graph break, fresh buffers, and the weight-gradient op gets the real parameter (with its
-main_grad) at run time.
+compiling gains (BENCHMARKS.md: 350m compiled with the split 114,807 tok/s against 163,189). Here the
+linear is an autograd.Function that the compiler traces: its forward (`F.linear`, after the sequence
+all-gather under SP) is compiled with the rest of the layer; its backward, and the TP collectives, are
+opaque ops that the compiled graphs call as they are: no graph break, fresh buffers, and the backward
+op gets the real parameter (with its main_grad) at run time.
 
-What each op computes is what mcore's `LinearWithGradAccumulationAndAsyncCommunication` and its
+What they compute is what mcore's `LinearWithGradAccumulationAndAsyncCommunication` and its
 `reduce_from_tensor_model_parallel_region` / `reduce_scatter_to_sequence_parallel_region` compute; the
-process group travels by name (custom ops take no Python objects).
+process group travels by name (ops take no Python objects).
 """
 
 from __future__ import annotations
@@ -27,6 +28,21 @@ from .wgrad import wgrad_gemm_accum_fp16, wgrad_gemm_accum_fp32
 # how the input gradient is combined over the TP group
 DGRAD_NONE, DGRAD_ALL_REDUCE, DGRAD_REDUCE_SCATTER = 0, 1, 2
 
+# Ops defined through torch.library.Library, and their autograd as torch.autograd.Function that the
+# compiler traces: `torch.library.custom_op` and `register_autograd` each add a Python layer to every
+# call (about 30 us apiece on the host), which a compiled step pays 4 times per layer per micro-batch
+# in each direction. So the forward linear is plain `F.linear`, compiled with the rest of the layer, and
+# only the collectives and the backward (with its side effect on main_grad) are opaque ops.
+_lib = torch.library.Library("megatron_plugin", "DEF")
+
+
+def _define(schema: str, impl, fake):
+    name = schema.split("(")[0]
+    _lib.define(schema)
+    _lib.impl(name, impl, "CompositeExplicitAutograd")
+    torch.library.register_fake(f"megatron_plugin::{name}", fake, lib=_lib)
+    return getattr(torch.ops.megatron_plugin, name).default
+
 
 def _size(group: str) -> int:
     return _resolve_process_group(group).size() if group else 1
@@ -40,36 +56,44 @@ def _gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:
     return out
 
 
-@torch.library.custom_op("megatron_plugin::parallel_linear", mutates_args=())
-def _parallel_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: str,
-                     gather_input: bool, dgrad: int, fuse_wgrad: bool) -> torch.Tensor:
-    total = _gather_seq(input, group) if gather_input else input
-    return torch.nn.functional.linear(total, weight, bias)
+def _reduce_scatter_seq(x: torch.Tensor, group: str) -> torch.Tensor:
+    pg = _resolve_process_group(group)
+    out = x.new_empty(x.shape[0] // pg.size(), *x.shape[1:])
+    dist.reduce_scatter_tensor(out, x.contiguous(), group=pg)
+    return out
 
 
-@_parallel_linear.register_fake
-def _(input, weight, bias, group, gather_input, dgrad, fuse_wgrad):
-    s = input.shape[0] * (_size(group) if gather_input else 1)
-    return input.new_empty(s, *input.shape[1:-1], weight.shape[0])
+def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
+    out = x.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, group=_resolve_process_group(group))
+    return out
 
 
-@torch.library.custom_op("megatron_plugin::parallel_linear_backward", mutates_args=())
-def _parallel_linear_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, group: str,
-                              gather_input: bool, dgrad: int, fuse_wgrad: bool, has_bias: bool,
-                              need_wgrad: bool) -> List[torch.Tensor]:
+_gather_seq_op = _define("tp_gather_seq(Tensor x, str group) -> Tensor", _gather_seq,
+                         lambda x, group: x.new_empty(x.shape[0] * _size(group), *x.shape[1:]))
+_reduce_scatter_seq_op = _define("tp_reduce_scatter_seq(Tensor x, str group) -> Tensor", _reduce_scatter_seq,
+                                 lambda x, group: x.new_empty(x.shape[0] // _size(group), *x.shape[1:]))
+_all_reduce_op = _define("tp_all_reduce(Tensor x, str group) -> Tensor", _all_reduce,
+                         lambda x, group: x.new_empty(x.shape))
+
+
+def _linear_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, group: str,
+                     gather_input: bool, dgrad: int, fuse_wgrad: bool, has_bias: bool,
+                     need_wgrad: bool) -> List[torch.Tensor]:
     """[grad_input, grad_weight, grad_bias]. The input gradient's collective runs while the weight
     gradient is computed, as mcore overlaps them. With `fuse_wgrad` the weight gradient goes into
     weight.main_grad and grad_weight is what DDP's hook then skips (`grad_added_to_main_grad`)."""
     pg = _resolve_process_group(group) if group else None
     total = _gather_seq(input, group) if gather_input else input
-    grad_total = grad_output @ weight
+    # contiguous, as the fake says: the compiled caller checks strides
+    grad_total = (grad_output @ weight).contiguous()
     handle = None
     if dgrad == DGRAD_ALL_REDUCE:
         grad_input = grad_total
         handle = dist.all_reduce(grad_input, group=pg, async_op=True)
     elif dgrad == DGRAD_REDUCE_SCATTER:
         grad_input = grad_total.new_empty(input.shape)
-        handle = dist.reduce_scatter_tensor(grad_input, grad_total.contiguous(), group=pg, async_op=True)
+        handle = dist.reduce_scatter_tensor(grad_input, grad_total, group=pg, async_op=True)
     else:
         grad_input = grad_total
     go = grad_output.reshape(-1, grad_output.shape[-1])
@@ -92,67 +116,49 @@ def _parallel_linear_backward(grad_output: torch.Tensor, input: torch.Tensor, we
     return [grad_input, grad_weight, grad_bias]
 
 
-@_parallel_linear_backward.register_fake
-def _(grad_output, input, weight, group, gather_input, dgrad, fuse_wgrad, has_bias, need_wgrad):
-    return [torch.empty_like(input), torch.empty_like(weight),
+def _linear_backward_fake(grad_output, input, weight, group, gather_input, dgrad, fuse_wgrad, has_bias, need_wgrad):
+    return [input.new_empty(input.shape), torch.empty_like(weight, memory_format=torch.contiguous_format),
             grad_output.new_empty(grad_output.shape[-1] if has_bias else 0)]
 
 
-def _setup(ctx, inputs, output):
-    input, weight, bias, group, gather_input, dgrad, fuse_wgrad = inputs
-    ctx.save_for_backward(input, weight)
-    ctx.args = (group, gather_input, dgrad, fuse_wgrad, bias is not None)
+_linear_backward_op = _define(
+    "parallel_linear_backward(Tensor grad_output, Tensor input, Tensor weight, str group, bool gather_input, "
+    "int dgrad, bool fuse_wgrad, bool has_bias, bool need_wgrad) -> Tensor[]",
+    _linear_backward, _linear_backward_fake)
 
 
-def _backward(ctx, grad_output):
-    input, weight = ctx.saved_tensors
-    grad_input, grad_weight, grad_bias = _parallel_linear_backward(grad_output, input, weight, *ctx.args,
-                                                                   ctx.needs_input_grad[1])
-    return (grad_input, grad_weight if ctx.needs_input_grad[1] else None, grad_bias if ctx.args[-1] else None,
-            None, None, None, None)
+class _ParallelLinear(torch.autograd.Function):
+    """Forward: the (gathered) input times the weight, traced into the compiled graph. Backward: one
+    opaque op (`_linear_backward`)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, bias, group, gather_input, dgrad, fuse_wgrad):
+        ctx.save_for_backward(input, weight)
+        ctx.args = (group, gather_input, dgrad, fuse_wgrad, bias is not None)
+        total = _gather_seq_op(input, group) if gather_input else input
+        return torch.nn.functional.linear(total, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        grad_input, grad_weight, grad_bias = _linear_backward_op(grad_output, input, weight, *ctx.args,
+                                                                 ctx.needs_input_grad[1])
+        return (grad_input, grad_weight if ctx.needs_input_grad[1] else None, grad_bias if ctx.args[-1] else None,
+                None, None, None, None)
 
 
-_parallel_linear.register_autograd(_backward, setup_context=_setup)
+class _TPReduce(torch.autograd.Function):
+    """Sum over the TP group: whole (all-reduce) or this rank's part of the sequence (reduce-scatter).
+    The sum's gradient is the same on every rank: identity, or the whole sequence back from its parts."""
 
+    @staticmethod
+    def forward(ctx, x, group, scatter_seq):
+        ctx.group, ctx.scatter_seq = group, scatter_seq
+        return _reduce_scatter_seq_op(x, group) if scatter_seq else _all_reduce_op(x, group)
 
-@torch.library.custom_op("megatron_plugin::tp_reduce", mutates_args=())
-def _tp_reduce(x: torch.Tensor, group: str, scatter_seq: bool) -> torch.Tensor:
-    """Sum over the TP group: whole (all-reduce) or this rank's part of the sequence (reduce-scatter)."""
-    pg = _resolve_process_group(group)
-    if scatter_seq:
-        out = x.new_empty(x.shape[0] // pg.size(), *x.shape[1:])
-        dist.reduce_scatter_tensor(out, x.contiguous(), group=pg)
-        return out
-    out = x.clone()
-    dist.all_reduce(out, group=pg)
-    return out
-
-
-@_tp_reduce.register_fake
-def _(x, group, scatter_seq):
-    return x.new_empty(x.shape[0] // (_size(group) if scatter_seq else 1), *x.shape[1:])
-
-
-@torch.library.custom_op("megatron_plugin::tp_gather_seq", mutates_args=())
-def _tp_gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:
-    return _gather_seq(x, group)
-
-
-@_tp_gather_seq.register_fake
-def _(x, group):
-    return x.new_empty(x.shape[0] * _size(group), *x.shape[1:])
-
-
-def _reduce_setup(ctx, inputs, output):
-    ctx.group, ctx.scatter_seq = inputs[1], inputs[2]
-
-
-def _reduce_backward(ctx, grad):
-    # the sum's gradient is the same on every rank: identity, or the whole sequence back from its parts
-    return (_tp_gather_seq(grad, ctx.group) if ctx.scatter_seq else grad), None, None
-
-
-_tp_reduce.register_autograd(_reduce_backward, setup_context=_reduce_setup)
+    @staticmethod
+    def backward(ctx, grad):
+        return (_gather_seq_op(grad, ctx.group) if ctx.scatter_seq else grad), None, None
 
 
 def group_name(group) -> str:
@@ -163,11 +169,11 @@ def group_name(group) -> str:
 def parallel_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: str = "",
                     gather_input: bool = False, dgrad: int = DGRAD_NONE, fuse_wgrad: bool = False) -> torch.Tensor:
     """input @ weight.T + bias for a column- or row-parallel linear (see the module docstring)."""
-    return _parallel_linear(input, weight, bias, group, gather_input, dgrad, fuse_wgrad)
+    return _ParallelLinear.apply(input, weight, bias, group, gather_input, dgrad, fuse_wgrad)
 
 
 def tp_reduce(x: torch.Tensor, group: str, scatter_seq: bool) -> torch.Tensor:
-    return _tp_reduce(x, group, scatter_seq)
+    return _TPReduce.apply(x, group, scatter_seq)
 
 
 def column_args(kwargs) -> Tuple[bool, int]:
