@@ -255,6 +255,40 @@ def test_bad_batches():
         assert status == "ok" and loss == loss and not skipped
 
 
+def _check_reads():
+    """How often the batch check reads device values back on the host, for a good batch."""
+    acc, engine = _prepare()
+    engine.train()
+    batch = {k: torch.stack([d[k] for d in token_dataset(4, 1000)]) for k in ("input_ids", "labels")}
+    reads = dict.fromkeys(("tolist", "item", "__bool__", "__int__", "__float__"), 0)
+    own = {name: torch.Tensor.__dict__.get(name) for name in reads}
+
+    def counting(name, fn):
+        def read(self, *args, **kwargs):
+            reads[name] += 1
+            return fn(self, *args, **kwargs)
+        return read
+
+    for name in reads:
+        setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    try:
+        ok = engine._check_batch(batch, engine.train_step_handler)
+    finally:
+        for name, fn in own.items():
+            if fn is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, fn)
+    return ok, reads
+
+
+def test_batch_check_reads_the_device_once():
+    """Each read is a host-device sync that drains the GPU's queue before the step: one for all flags."""
+    for ok, reads in run_on_ranks(_check_reads, 2):
+        assert ok
+        assert reads == {"tolist": 1, "item": 0, "__bool__": 0, "__int__": 0, "__float__": 0}, reads
+
+
 def _one_rank_bad_batch():
     """Only rank 1's batch is bad: both ranks must raise (no rank left waiting in a collective)."""
     import torch.distributed as dist

@@ -160,17 +160,25 @@ class MegatronEngine(torch.nn.Module):
         """Refuse token ids or labels the model cannot have, a sequence longer than its positions, or (for
         a loss, `need_loss`) a batch the train step rejects, on every rank alike (one small all-reduce, so
         no rank is left waiting in a collective). Returns False when no token of the whole step carries a
-        loss."""
+        loss. The flags are computed on the device and read back once: each read is a host-device sync
+        that drains the GPU's queue before the step starts."""
         cfg = self.model.hf_config
         vocab = cfg.vocab_size
         id_keys = sorted({k for k, v in batch.items() if k.endswith("input_ids") and torch.is_tensor(v)} | {step.input_key})
         label_keys = [k for k, v in batch.items() if k.endswith("labels") and torch.is_tensor(v)]
         limit = self.model.family.position_limit(cfg)
+
+        def ids_bad(k):
+            return ((batch[k] < 0) | (batch[k] >= vocab)).any()
+
+        def labels_bad(k):
+            return (((batch[k] < 0) & (batch[k] != -100)) | (batch[k] >= vocab)).any()
+
         local = torch.zeros(5, dtype=torch.int64, device=self.device)
-        bad_ids = [k for k in id_keys if batch[k].numel() and (batch[k].min() < 0 or batch[k].max() >= vocab)]
-        local[0] = bool(bad_ids)
-        bad_labels = [k for k in label_keys if (((batch[k] < 0) & (batch[k] != -100)) | (batch[k] >= vocab)).any()]
-        local[1] = bool(bad_labels)
+        for i, (keys, bad) in enumerate(((id_keys, ids_bad), (label_keys, labels_bad))):
+            flags = [bad(k).to(self.device) for k in keys if batch[k].numel()]
+            if flags:
+                local[i] = torch.stack(flags).any()
         length = max(batch[k].shape[1] for k in id_keys if batch[k].dim() == 2)
         local[2] = int(limit is not None and length > limit)
         tokens = step.count_loss_tokens(batch) if need_loss else None
@@ -181,9 +189,12 @@ class MegatronEngine(torch.nn.Module):
             error = e
         local[4] = error is not None
         status = local.clone()
-        dist.all_reduce(status)
-        bad_id, bad_label, too_long, tokens, bad_step = status.tolist()
-        here = " (this rank's batch)" if (local[:3].any() or local[4]) else " (another rank's batch)"
+        if dist.get_world_size() > 1:
+            dist.all_reduce(status)
+        (bad_id, bad_label, too_long, tokens, bad_step), mine = torch.stack([status, local]).tolist()
+        here = " (this rank's batch)" if any(mine[:3]) or mine[4] else " (another rank's batch)"
+        bad_ids = [k for k in id_keys if batch[k].numel() and ids_bad(k)] if mine[0] else []
+        bad_labels = [k for k in label_keys if labels_bad(k)] if mine[1] else []
         if bad_step:
             if error is not None:
                 raise error
@@ -201,7 +212,7 @@ class MegatronEngine(torch.nn.Module):
             )
         if too_long:
             raise MegatronPluginConfigError(
-                "sequence length", f"{length} > {limit}{here}" if local[2] else f"> {limit}{here}",
+                "sequence length", f"{length} > {limit}{here}" if mine[2] else f"> {limit}{here}",
                 f"the model has {limit} positions: cut the sequences (block_size / max_length) to at most {limit}",
             )
         if tokens == 0:
