@@ -7,7 +7,8 @@ Same set-up as train_throughput.py (one mode, one size, one process per call):
 
 Prints the step's wall time, the summed kernel time (GPU busy), kernel time by kind (matmuls,
 attention, fused elementwise, optimizer, communication, the rest), and the kernels that take the most
-time. Busy well below wall means the GPU waits on the host (launch overhead, host-device syncs).
+time. Busy well below wall means the GPU waits on the host (launch overhead, host-device syncs);
+`--host_top N` then lists where the host's time goes.
 """
 
 import os
@@ -40,6 +41,7 @@ def kind_of(name: str) -> str:
 def main():
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--top", type=int, default=30)
+    p.add_argument("--host_top", type=int, default=0, help="also list the host-side ranges with the most self time")
     args = p.parse_args()
 
     import torch
@@ -80,6 +82,10 @@ def main():
     print("top kernels:")
     for name, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[: args.top]:
         print(f"{t:8.2f} ms {n // args.steps:5d}x  {name[:150]}")
+    if args.host_top:
+        print("host ranges by self CPU time per step:")
+        for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: args.host_top]:
+            print(f"{e.self_cpu_time_total / 1e3 / args.steps:8.2f} ms {e.count // args.steps:6d}x  {e.key[:120]}")
 
 
 if __name__ == "__main__":

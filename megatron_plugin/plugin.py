@@ -130,9 +130,9 @@ class MegatronLMPlugin:
         default=None,
         metadata={"help": "on CUDA with bf16/fp16, compute each linear's weight gradient straight into the fp32 "
                           "main-gradient buffer (Megatron's --gradient-accumulation-fusion, here without apex); "
-                          "default: on for CUDA with eager layers; with compiled layers only when set to True "
-                          "(there the linears, and under TP their reductions, run as custom ops inside the "
-                          "compiled graphs, without graph breaks; not yet measured on GPU)"},
+                          "default: on for CUDA with eager layers; with compiled layers when set to True, which pays "
+                          "for large models (the linears, and under TP their reductions, then run as custom ops "
+                          "inside the compiled graphs; see BENCHMARKS.md)"},
     )
     torch_compile: bool = field(
         default=False,
