@@ -166,9 +166,10 @@ class Accelerator(accelerate.Accelerator):
         compile_kwargs = layer_compile_kwargs(plugin, getattr(self.state, "dynamo_plugin", None))
         check_compile(plugin, compile_kwargs, self.device.type)
         if plugin.gradient_accumulation_fusion is None:
-            # On for eager layers on CUDA. Compiled layers then run their linears as the ops of
-            # compiled_linear.py, whose host cost per linear outweighs the saved adds for small models
-            # (BENCHMARKS.md, speed round 3: +2.5% at 1.5B, even at 350M, behind at 124M): opt in there.
+            # On for eager layers on CUDA. Compiled layers then run their linears through the ops of
+            # compiled_linear.py, whose host cost per call put host-bound 124M behind (BENCHMARKS.md, speed
+            # round 3: +2.5% at 1.5B, even at 350M, 0.87x at 124M); that cost has since been cut (CPU
+            # figures there) but not re-measured on GPU: opt in there until it is.
             plugin.gradient_accumulation_fusion = self.device.type == "cuda" and compile_kwargs is None
         if self.device.type == "cpu":
             check_cpu_support(plugin)

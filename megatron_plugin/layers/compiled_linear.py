@@ -77,6 +77,29 @@ _all_reduce_op = _define("tp_all_reduce(Tensor x, str group) -> Tensor", _all_re
                          lambda x, group: x.new_empty(x.shape))
 
 
+def _accumulate_wgrad(go: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight.main_grad += go^T @ x (2-D views); returns the placeholder gradient that DDP's hook then
+    skips (`grad_added_to_main_grad`)."""
+    main_grad = getattr(weight, "main_grad", None)
+    if main_grad is None:
+        raise RuntimeError("gradient_accumulation_fusion: a fused linear's weight has no main_grad (DDP's buffer)")
+    (wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32 else wgrad_gemm_accum_fp16)(x, go, main_grad)
+    weight.grad_added_to_main_grad = True
+    # a weight shared with the embedding (tied) also gets the lookup's gradient, which the hook adds
+    return torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
+
+
+def _fused_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return _accumulate_wgrad(grad_output.reshape(-1, grad_output.shape[-1]), input.reshape(-1, input.shape[-1]),
+                             weight)
+
+
+# Without TP only the weight gradient needs an op (its write into main_grad): the input and bias
+# gradients stay in the compiled graph, and the op's call costs less host time (fewer arguments, no list).
+_fused_wgrad_op = _define("fused_wgrad(Tensor grad_output, Tensor input, Tensor weight) -> Tensor", _fused_wgrad,
+                          lambda grad_output, input, weight: torch.empty_like(weight, memory_format=torch.contiguous_format))
+
+
 def _linear_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, group: str,
                      gather_input: bool, dgrad: int, fuse_wgrad: bool, has_bias: bool,
                      need_wgrad: bool) -> List[torch.Tensor]:
@@ -101,13 +124,7 @@ def _linear_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: tor
     if not need_wgrad:  # a frozen weight
         grad_weight = torch.empty_like(weight)
     elif fuse_wgrad:
-        main_grad = getattr(weight, "main_grad", None)
-        if main_grad is None:
-            raise RuntimeError("gradient_accumulation_fusion: a fused linear's weight has no main_grad (DDP's buffer)")
-        (wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32 else wgrad_gemm_accum_fp16)(x, go, main_grad)
-        weight.grad_added_to_main_grad = True
-        # a weight shared with the embedding (tied) also gets the lookup's gradient, which the hook adds
-        grad_weight = torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
+        grad_weight = _accumulate_wgrad(go, x, weight)
     else:
         grad_weight = go.t() @ x
     grad_bias = go.sum(0) if has_bias else go.new_empty(0)
@@ -129,7 +146,7 @@ _linear_backward_op = _define(
 
 class _ParallelLinear(torch.autograd.Function):
     """Forward: the (gathered) input times the weight, traced into the compiled graph. Backward: one
-    opaque op (`_linear_backward`)."""
+    opaque op (`_linear_backward`), or without TP only the fused weight gradient's (`_fused_wgrad`)."""
 
     @staticmethod
     def forward(ctx, input, weight, bias, group, gather_input, dgrad, fuse_wgrad):
@@ -141,9 +158,15 @@ class _ParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         input, weight = ctx.saved_tensors
-        grad_input, grad_weight, grad_bias = _linear_backward_op(grad_output, input, weight, *ctx.args,
-                                                                 ctx.needs_input_grad[1])
-        return (grad_input, grad_weight if ctx.needs_input_grad[1] else None, grad_bias if ctx.args[-1] else None,
+        group, gather_input, dgrad, fuse_wgrad, has_bias = ctx.args
+        need_wgrad = ctx.needs_input_grad[1]
+        if group or not fuse_wgrad:
+            grad_input, grad_weight, grad_bias = _linear_backward_op(grad_output, input, weight, *ctx.args, need_wgrad)
+        else:
+            grad_input = grad_output @ weight
+            grad_weight = _fused_wgrad_op(grad_output, input, weight) if need_wgrad else None
+            grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if has_bias else None
+        return (grad_input, grad_weight if need_wgrad else None, grad_bias if has_bias else None,
                 None, None, None, None)
 
 
