@@ -176,7 +176,7 @@ class MegatronEngine(torch.nn.Module):
 
         local = torch.zeros(5, dtype=torch.int64, device=self.device)
         for i, (keys, bad) in enumerate(((id_keys, ids_bad), (label_keys, labels_bad))):
-            flags = [bad(k).to(self.device) for k in keys if batch[k].numel()]
+            flags = [bad(k).to(self.device) for k in keys]  # an empty tensor has none: any() is False
             if flags:
                 local[i] = torch.stack(flags).any()
         length = max(batch[k].shape[1] for k in id_keys if batch[k].dim() == 2)
@@ -193,7 +193,7 @@ class MegatronEngine(torch.nn.Module):
             dist.all_reduce(status)
         (bad_id, bad_label, too_long, tokens, bad_step), mine = torch.stack([status, local]).tolist()
         here = " (this rank's batch)" if any(mine[:3]) or mine[4] else " (another rank's batch)"
-        bad_ids = [k for k in id_keys if batch[k].numel() and ids_bad(k)] if mine[0] else []
+        bad_ids = [k for k in id_keys if ids_bad(k)] if mine[0] else []
         bad_labels = [k for k in label_keys if labels_bad(k)] if mine[1] else []
         if bad_step:
             if error is not None:
