@@ -29,7 +29,7 @@ from .models.convert import mcore_to_hf_sources
 from .models import check_model
 from .models.mapping import StagePlan
 from .engine.optimizer import MegatronLMOptimizerWrapper, check_optimizer, rebuild_optimizer, trainable_flags
-from .plugin import MegatronLMPlugin, check_compile, check_cpu_support
+from .plugin import MegatronLMPlugin, check_compile, check_cpu_support, uses_cuda_graphs
 from .engine.scheduler import MegatronLMDummyScheduler, MegatronLMSchedulerWrapper, build_scheduler, check_scheduler
 
 _ENV_FLAG = "ACCELERATE_USE_MEGATRON_LM"
@@ -166,11 +166,10 @@ class Accelerator(accelerate.Accelerator):
         compile_kwargs = layer_compile_kwargs(plugin, getattr(self.state, "dynamo_plugin", None))
         check_compile(plugin, compile_kwargs, self.device.type)
         if plugin.gradient_accumulation_fusion is None:
-            # On for eager layers on CUDA. Compiled layers then run their linears through the ops of
-            # compiled_linear.py, whose host cost per call put host-bound 124M behind (BENCHMARKS.md, speed
-            # round 3: +2.5% at 1.5B, even at 350M, 0.87x at 124M); that cost has since been cut (CPU
-            # figures there) but not re-measured on GPU: opt in there until it is.
-            plugin.gradient_accumulation_fusion = self.device.type == "cuda" and compile_kwargs is None
+            # On CUDA, eager or compiled: with the light ops of compiled_linear.py compiled GPT-2 124M runs
+            # 382k tok/s fused vs 307k unfused and 350M ties (BENCHMARKS.md, speed round 4). Not with
+            # CUDA graphs (compile mode reduce-overhead): check_compile says why.
+            plugin.gradient_accumulation_fusion = self.device.type == "cuda" and not uses_cuda_graphs(compile_kwargs)
         if self.device.type == "cpu":
             check_cpu_support(plugin)
         for dl in loaders:
@@ -265,7 +264,7 @@ class Accelerator(accelerate.Accelerator):
         if self._megatron is None:
             return super().clip_grad_norm_(parameters, max_norm, norm_type)
         norm = self._engine.last_grad_norm if self._engine else None
-        return torch.tensor(norm) if norm is not None else None
+        return None if norm is None else norm if torch.is_tensor(norm) else torch.tensor(norm)
 
     @contextlib.contextmanager
     def accumulate(self, *models):

@@ -130,9 +130,9 @@ class MegatronLMPlugin:
         default=None,
         metadata={"help": "on CUDA with bf16/fp16, compute each linear's weight gradient straight into the fp32 "
                           "main-gradient buffer (Megatron's --gradient-accumulation-fusion, here without apex); "
-                          "default: on for CUDA with eager layers; with compiled layers when set to True, which pays "
-                          "for large models (the linears, and under TP their reductions, then run as custom ops "
-                          "inside the compiled graphs; see BENCHMARKS.md)"},
+                          "default: on for CUDA (compiled layers then run their linears' weight gradients, and under TP "
+                          "their reductions, as ops inside the graphs; see BENCHMARKS.md), off with compile modes "
+                          "that replay CUDA graphs (reduce-overhead), which it does not support"},
     )
     torch_compile: bool = field(
         default=False,
@@ -285,3 +285,19 @@ def check_compile(plugin: MegatronLMPlugin, compile_kwargs: Optional[dict], devi
     off = "set torch_compile=False and dynamo_backend 'no' (accelerate config / Accelerator(dynamo_backend=...))"
     if device_type != "cuda":
         raise MegatronPluginConfigError(setting, value, f"compiled layers are for the CUDA engine only; for a CPU run {off}")
+    if uses_cuda_graphs(compile_kwargs) and plugin.gradient_accumulation_fusion:
+        # the fused weight gradient tells DDP's hook "already in main_grad" from Python, which a graph replay
+        # skips: the hook would then add the placeholder gradient too
+        raise MegatronPluginConfigError(
+            "gradient_accumulation_fusion", True,
+            f"torch.compile mode {compile_kwargs.get('mode')!r} replays CUDA graphs, which the fused weight gradient "
+            "does not support: set gradient_accumulation_fusion=False (or leave it unset), or use the default mode",
+        )
+
+
+def uses_cuda_graphs(compile_kwargs: Optional[dict]) -> bool:
+    """Whether torch.compile with these arguments captures CUDA graphs (Inductor's cudagraph trees)."""
+    if not compile_kwargs:
+        return False
+    options = compile_kwargs.get("options") or {}
+    return compile_kwargs.get("mode") in ("reduce-overhead", "max-autotune") or bool(options.get("triton.cudagraphs"))

@@ -82,6 +82,21 @@ def test_gradient_accumulation_fusion_takes_bools_only(clean_env, value):
         MegatronLMPlugin(gradient_accumulation_fusion=value)
 
 
+@pytest.mark.parametrize("kwargs", [{"mode": "reduce-overhead"}, {"mode": "max-autotune"},
+                                    {"options": {"triton.cudagraphs": True}}])
+def test_fused_weight_gradient_refused_under_cuda_graphs(clean_env, kwargs):
+    # a graph replay skips the Python flag that keeps DDP's hook from adding the placeholder gradient
+    from megatron_plugin.plugin import check_compile, uses_cuda_graphs
+
+    assert uses_cuda_graphs(dict(backend="inductor", **kwargs))
+    with pytest.raises(MegatronPluginConfigError, match="gradient_accumulation_fusion=True.*CUDA graphs"):
+        check_compile(MegatronLMPlugin(gradient_accumulation_fusion=True), dict(backend="inductor", **kwargs), "cuda")
+    for fusion in (None, False):  # unset resolves to off under CUDA graphs
+        check_compile(MegatronLMPlugin(gradient_accumulation_fusion=fusion), dict(backend="inductor", **kwargs), "cuda")
+    assert not uses_cuda_graphs({"backend": "inductor", "mode": "max-autotune-no-cudagraphs"})
+    check_compile(MegatronLMPlugin(gradient_accumulation_fusion=True), {"backend": "inductor"}, "cuda")
+
+
 def test_sequence_parallel_needs_tp(clean_env):
     with pytest.raises(MegatronPluginConfigError, match="tp_degree > 1"):
         MegatronLMPlugin(sequence_parallelism=True)

@@ -99,6 +99,16 @@ class MegatronEngine(torch.nn.Module):
         extra = {"metrics": dict(logs)} if "metrics" in getattr(cls, "__dataclass_fields__", {}) else {}
         return cls(loss=loss, logits=logits, **extra)
 
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last step left the weights unchanged (no loss token, or non-finite gradients).
+        The CUDA engine keeps this flag on the device; reading it waits for the step to finish."""
+        return bool(self._last_step_skipped)
+
+    @last_step_skipped.setter
+    def last_step_skipped(self, value):
+        self._last_step_skipped = value
+
     @contextlib.contextmanager
     def _busy(self):
         self._in_step = True
@@ -174,20 +184,23 @@ class MegatronEngine(torch.nn.Module):
         def labels_bad(k):
             return (((batch[k] < 0) & (batch[k] != -100)) | (batch[k] >= vocab)).any()
 
-        local = torch.zeros(5, dtype=torch.int64, device=self.device)
-        for i, (keys, bad) in enumerate(((id_keys, ids_bad), (label_keys, labels_bad))):
-            flags = [bad(k).to(self.device) for k in keys]  # an empty tensor has none: any() is False
-            if flags:
-                local[i] = torch.stack(flags).any()
+        def const(value):  # a fill kernel: writing a host number into a device tensor would sync
+            return torch.full((), int(value), dtype=torch.int64, device=self.device)
+
+        flags = []
+        for keys, bad in ((id_keys, ids_bad), (label_keys, labels_bad)):
+            found = [bad(k).to(self.device) for k in keys]  # an empty tensor has none: any() is False
+            flags.append(torch.stack(found).any().long() if found else const(0))
         length = max(batch[k].shape[1] for k in id_keys if batch[k].dim() == 2)
-        local[2] = int(limit is not None and length > limit)
+        flags.append(const(limit is not None and length > limit))
         tokens = step.count_loss_tokens(batch) if need_loss else None
-        local[3] = 1 if tokens is None else tokens.to(self.device)
+        flags.append(const(1) if tokens is None else tokens.to(self.device, torch.int64).reshape(()))
         try:
             error = step.check_batch(batch) if need_loss else None
         except Exception as e:  # raised below, once every rank knows
             error = e
-        local[4] = error is not None
+        flags.append(const(error is not None))
+        local = torch.stack(flags)
         status = local.clone()
         if dist.get_world_size() > 1:
             dist.all_reduce(status)

@@ -21,7 +21,7 @@ from megatron.core.transformer.module import Float16Module
 
 from .cpu import MegatronEngine, _average_logs
 from ..errors import MegatronPluginConfigError
-from . import foreach_ops
+from . import device_clip, foreach_ops
 from .optimizer import check_optimizer, use_fused_adam
 from .scheduler import build_scheduler
 
@@ -83,6 +83,7 @@ class MegatronCoreEngine(MegatronEngine):
         foreach_ops.install()
         optimizer = get_megatron_optimizer(optimizer_config(user_optimizer, plugin, dtype), wrapped)
         use_fused_adam(optimizer)
+        self._clip_on_device = device_clip.supported(optimizer)
         scheduler = build_scheduler(dummy_scheduler, optimizer, plugin) if dummy_scheduler is not None else None
 
         sync = [m.no_sync for m in wrapped]
@@ -127,9 +128,14 @@ class MegatronCoreEngine(MegatronEngine):
             m.zero_grad_buffer()
         self.optimizer.zero_grad()
         collected = self._run_schedule(micro_batches, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        self.last_step_skipped = not ok
-        self.last_grad_norm = grad_norm
+        if self._clip_on_device:
+            # the norm and the skip flag stay on the device (read when asked); the LR schedule moves on
+            # as mcore's does under bf16, where a step is never reported skipped
+            self.last_grad_norm, self.last_step_skipped = device_clip.step(self.optimizer)
+            ok = True
+        else:
+            ok, self.last_grad_norm, _ = self.optimizer.step()
+            self.last_step_skipped = not ok
         if ok and self.scheduler is not None:
             self.scheduler.step(1)
         self.iteration += 1

@@ -3,12 +3,14 @@
     python -m pytest -q tests/gpu
 """
 
+import math
+
 import pytest
 import torch
 
 from functools import partial
 
-from tests.gpu.workers import STEPS, generate_layout, run_layout
+from tests.gpu.workers import STEPS, clip_run, generate_layout, run_layout
 from tests.spawn import run_on_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -126,6 +128,25 @@ def test_gradient_accumulation_fusion_compiled_equals_unfused_fp32():
     assert max(abs(a - b) / abs(b) for a, b in zip(fused, plain)) < 1e-4, (fused, plain)
 
 
+def test_clipping_on_device_equals_mcore_step_fp32():
+    """The clip factor applied inside fused AdamW (engine/device_clip.py) is mcore's clip-then-step:
+    fp32, clipping active on every step."""
+    ours = run_on_ranks(partial(clip_run, on_device=True), 1)[0]
+    mcore = run_on_ranks(partial(clip_run, on_device=False), 1)[0]
+    assert ours["clip_on_device"] and not mcore["clip_on_device"]
+    assert min(mcore["norms"]) > 0.05, mcore  # the clip was active
+    for key in ("losses", "norms"):
+        assert max(abs(a - b) / abs(b) for a, b in zip(ours[key], mcore[key])) < 1e-5, (key, ours, mcore)
+    assert not any(ours["skipped"]), ours
+
+
+def test_non_finite_gradient_skips_the_update_bf16():
+    res = run_on_ranks(partial(clip_run, precision="bf16", inf_step=2), 1)[0]
+    assert res["clip_on_device"] and res["weights_kept"], res
+    assert res["skipped"] == [False, False, True, False, False, False], res
+    assert res["norms"][2] == float("inf") and all(math.isfinite(x) for x in res["losses"]), res
+
+
 def test_single_gpu_bf16_logits_llama():
     (res,) = run_on_ranks(_logits, 1, dict(family="llama"))
     assert res["ours_err"] <= 2 * res["hf_bf16_err"] + 1e-3, res
@@ -161,6 +182,13 @@ def test_compiled_layers_track_eager_baseline(baseline):
     # compiled through accelerate's own knob, as `accelerate config` writes it
     (losses,) = run_on_ranks(_train, 1, dict(compile="accelerate"))
     _assert_tracks(losses, baseline, "compiled")
+
+
+def test_compiled_layers_with_cuda_graphs_track_eager_baseline(baseline):
+    # reduce-overhead: each layer's forward and backward replayed as CUDA graphs; the fused weight
+    # gradient resolves to off there (plugin.check_compile)
+    (losses,) = run_on_ranks(_train, 1, dict(compile="cuda_graphs"))
+    _assert_tracks(losses, baseline, "cuda_graphs")
 
 
 @two_gpus

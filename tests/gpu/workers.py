@@ -50,8 +50,9 @@ def dataset(n, vocab=1000, seed=3, family="gpt2"):
 def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="bf16", mode="train",
                steps=STEPS, total_steps=STEPS, save_dir=None, load_dir=None, recompute=False, compile=None,
                family="gpt2", frozen=False, wgrad_fusion=None):
-    """compile: None (eager), "plugin" (MegatronLMPlugin(torch_compile=True)) or "accelerate"
-    (Accelerator(dynamo_backend="inductor"), as `accelerate config` sets it)."""
+    """compile: None (eager), "plugin" (MegatronLMPlugin(torch_compile=True)), "accelerate"
+    (Accelerator(dynamo_backend="inductor"), as `accelerate config` sets it) or "cuda_graphs" (accelerate's
+    TorchDynamoPlugin with mode="reduce-overhead")."""
     from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
 
     world = int(os.environ["WORLD_SIZE"])
@@ -63,6 +64,10 @@ def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="
         gradient_accumulation_fusion=wgrad_fusion,
     )
     extra = {"dynamo_backend": "inductor"} if compile == "accelerate" else {}
+    if compile == "cuda_graphs":  # accelerate's dynamo plugin in reduce-overhead mode
+        from accelerate.utils import TorchDynamoPlugin
+
+        extra = {"dynamo_plugin": TorchDynamoPlugin(backend="inductor", mode="reduce-overhead")}
     acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision=precision, **extra)
     hf = gpu_model(family)
     initial = {k: v.clone() for k, v in hf.state_dict().items()}
@@ -147,3 +152,43 @@ def generate_layout(tp=1, family="gpt2"):
                                  pad_token_id=0)[0].cpu()
         same = same and torch.equal(graphs[r, : ref.numel()].cpu(), ref)
     return {"graphs_equal_eager": torch.equal(graphs, eager), "equal_hf": same, "sampled_shape": tuple(sampled.shape)}
+
+
+def clip_run(on_device=True, precision="no", clip=0.05, inf_step=None, steps=6):
+    """Training with clipping active every step (`clip` below the norm), through the device-side clip
+    (engine/device_clip.py) or mcore's own step. At `inf_step` one main gradient element is set to inf
+    after the gradients are copied, as an overflow would."""
+    from megatron_plugin import Accelerator, MegatronLMPlugin
+
+    plugin = MegatronLMPlugin(num_micro_batches=NUM_MICRO, gradient_clipping=clip)
+    acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision=precision)
+    hf = gpu_model()
+    loader = DataLoader(dataset(steps * MICRO * NUM_MICRO), batch_size=MICRO, drop_last=True)
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-3, weight_decay=0.01)
+    engine, opt, loader = acc.prepare(hf, opt, loader)
+    engine._clip_on_device = on_device and engine._clip_on_device
+    mcore_opt = engine.optimizer
+    subs = mcore_opt.chained_optimizers
+    res = {"clip_on_device": engine._clip_on_device, "losses": [], "norms": [], "skipped": []}
+
+    def poisoned():
+        found = type(mcore_opt).prepare_grads(mcore_opt)
+        [g for o in subs for g in o.get_main_grads_for_grad_norm()][0].view(-1)[0] = float("inf")
+        return found
+
+    def weights():
+        return [p.detach().clone() for o in subs for g in o.optimizer.param_groups for p in g["params"]]
+
+    engine.train()
+    for i, batch in enumerate(loader):
+        if i == inf_step:
+            mcore_opt.prepare_grads = poisoned
+            before = weights()
+        out = engine(**batch)
+        if i == inf_step:
+            del mcore_opt.prepare_grads
+            res["weights_kept"] = all(torch.equal(a, b) for a, b in zip(before, weights()))
+        res["losses"].append(out.loss.item())
+        res["norms"].append(float(acc.clip_grad_norm_(engine.parameters(), clip)))
+        res["skipped"].append(opt.step_was_skipped)
+    return res
