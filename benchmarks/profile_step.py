@@ -8,11 +8,15 @@ Same set-up as train_throughput.py (one mode, one size, one process per call):
 Prints the step's wall time, the summed kernel time (GPU busy), kernel time by kind (matmuls,
 attention, fused elementwise, optimizer, communication, the rest), and the kernels that take the most
 time. Busy well below wall means the GPU waits on the host (launch overhead, host-device syncs);
-`--host_top N` then lists where the host's time goes.
+`--host_top N` then lists where the host's time goes, and `--gaps N` where the GPU waits: each idle
+stretch is charged to the Python code that launched the kernel ending it (the host was late there).
 """
 
+import bisect
+import json
 import os
 import sys
+import tempfile
 import time
 from collections import defaultdict
 
@@ -42,6 +46,10 @@ def main():
     p = parser(__doc__.splitlines()[0])
     p.add_argument("--top", type=int, default=30)
     p.add_argument("--host_top", type=int, default=0, help="also list the host-side ranges with the most self time")
+    p.add_argument("--gaps", type=int, default=0,
+                   help="also list the host ranges whose kernel launches the GPU waited for most (idle time per step)")
+    p.add_argument("--with_stack", action="store_true",
+                   help="--gaps names Python lines (the Python tracer slows the host several times: the gaps grow)")
     args = p.parse_args()
 
     import torch
@@ -51,7 +59,7 @@ def main():
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.with_stack) as prof:
         t0 = time.perf_counter()
         for _ in range(args.steps):
             step()
@@ -86,6 +94,58 @@ def main():
         print("host ranges by self CPU time per step:")
         for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: args.host_top]:
             print(f"{e.self_cpu_time_total / 1e3 / args.steps:8.2f} ms {e.count // args.steps:6d}x  {e.key[:120]}")
+    if args.gaps:
+        print_gaps(prof, args.steps, args.gaps)
+
+
+# frames that say nothing about which of our lines launched the work
+_DULL = ("torch/nn/modules/module.py", "_contextlib.py", "<built-in", "torch/autograd/", "torch/_dynamo/",
+         "torch/_functorch/", "torch/_ops.py", "torch/utils/_", "torch/_library/", "contextlib.py", "profile_step.py")
+
+
+def print_gaps(prof, steps, top, min_us=5.0):
+    """GPU idle stretches (no kernel, copy or memset running), each charged to the innermost interesting
+    Python frames around the launch of the kernel that ends it."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        prof.export_chrome_trace(f.name)
+        events = json.load(open(f.name))["traceEvents"]
+    gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in events
+                if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
+    # Python frames when traced, else the host ranges (torch ops, autograd nodes, record_function)
+    cat = "python_function" if any(e.get("cat") == "python_function" for e in events) else "cpu_op"
+    frames = {}  # tid -> frames sorted by start
+    for e in events:
+        if e.get("cat") == cat:
+            frames.setdefault(e["tid"], []).append(e)
+    for fs in frames.values():
+        fs.sort(key=lambda e: (e["ts"], -e["dur"]))
+    starts = {tid: [e["ts"] for e in fs] for tid, fs in frames.items()}
+
+    def where(launch):
+        fs, ts = frames.get(launch["tid"], []), starts.get(launch["tid"], [])
+        t = launch["ts"]
+        # enclosing frames: started before t and still running; nesting makes a backward scan cheap enough
+        enclosing = [e for e in fs[: bisect.bisect_right(ts, t)][-4000:] if e["ts"] + e["dur"] >= t]
+        names = [e["name"] for e in enclosing if not any(d in e["name"] for d in _DULL)]
+        if cat == "cpu_op":  # the outermost range says which phase, the innermost which op
+            names = names[:1] + names[-2:] if len(names) > 3 else names
+        return " > ".join(n.split("site-packages/")[-1] for n in names[-3:]) or launch["name"]
+
+    by_site, total, end = {}, 0.0, None
+    for k in gpu:
+        if end is not None and k["ts"] - end > min_us:
+            gap = k["ts"] - end
+            launch = launches.get(k.get("args", {}).get("correlation"))
+            site = where(launch) if launch else "(no launch record) " + k["name"][:60]
+            t, n = by_site.get(site, (0.0, 0))
+            by_site[site] = (t + gap, n + 1)
+            total += gap
+        end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
+    print(f"GPU idle {total / 1e3 / steps:.2f} ms per step in gaps over {min_us:.0f} us; by the code that launched "
+          "the kernel after the gap:")
+    for site, (t, n) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"{t / 1e3 / steps:8.2f} ms {n // steps:5d}x  {site[:230]}")
 
 
 if __name__ == "__main__":

@@ -129,7 +129,12 @@ def build_step(args):
                                   recompute_activations=args.recompute, fused_kernels=args.fused,
                                   gradient_accumulation_fusion=False if args.no_wgrad_fusion else (True if args.wgrad_fusion else None),
                                   torch_compile=args.mode == "megatron_compile")
-        acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16")
+        dynamo = {}
+        if args.compile_mode and args.mode == "megatron_compile":  # through accelerate's knob, as a user sets it
+            from accelerate.utils import TorchDynamoPlugin
+
+            dynamo["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", mode=args.compile_mode)
+        acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16", **dynamo)
         loader = DataLoader(data * (args.steps + args.warmup), batch_size=micro, drop_last=True)
         sched = MegatronLMDummyScheduler(opt, total_num_steps=10 * (args.steps + args.warmup), warmup_num_steps=1)
         engine, opt, sched, loader = acc.prepare(model, opt, sched, loader)
@@ -145,7 +150,7 @@ def build_step(args):
 
         acc = Accelerator(mixed_precision="bf16")
         model, opt = acc.prepare(model, opt)
-        fwd = torch.compile(model) if args.mode == "hf_compile" else model
+        fwd = torch.compile(model, mode=args.compile_mode or None) if args.mode == "hf_compile" else model
         local = args.global_batch // world
         batch = {k: torch.stack([d[k] for d in data[:local]]).cuda() for k in data[0]}
         # the same micro-batches as the plugin gets: gradient accumulation over num_micro
@@ -185,6 +190,8 @@ def measure(args):
     variant = args.mode
     if args.mode.startswith("megatron"):
         variant += "".join(f"+{f}" for f in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion") if getattr(args, f))
+    if args.compile_mode and args.mode.endswith("compile"):
+        variant += f" mode={args.compile_mode}"
     if args.num_micro > 1:
         variant += f" ({args.num_micro} micro-batches)"
     result = {
@@ -202,7 +209,7 @@ def drive(args):
     for size in args.sizes.split(","):
         for mode in args.modes.split(","):
             cmd = [sys.executable, os.path.abspath(__file__), "--one", "--size", size, "--mode", mode]
-            for key in ("seq", "global_batch", "steps", "warmup", "tp", "pp", "num_micro"):
+            for key in ("seq", "global_batch", "steps", "warmup", "tp", "pp", "num_micro", "compile_mode"):
                 cmd += [f"--{key}", str(getattr(args, key))]
             cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion") if getattr(args, flag)]
             if args.nproc > 1:
@@ -239,6 +246,9 @@ def parser(description=__doc__.splitlines()[0]):
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--num_micro", type=int, default=1)
+    p.add_argument("--compile_mode", default="",
+                   help="torch.compile mode for both compiled modes, e.g. reduce-overhead (CUDA graphs); the plugin "
+                        "gets it through accelerate's TorchDynamoPlugin")
     p.add_argument("--sp", action="store_true")
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--recompute", action="store_true")
