@@ -15,6 +15,8 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
+from .foreach_ops import multi_tensor_l2norm
+
 
 def _subs(megatron_optimizer):
     subs = getattr(megatron_optimizer, "chained_optimizers", [megatron_optimizer])
@@ -35,8 +37,8 @@ def supported(megatron_optimizer) -> bool:
             return False
         if not all(g.get("fused") for g in inner.param_groups):
             return False
-    chained = getattr(megatron_optimizer, "chained_optimizers", None)
-    return chained is None or megatron_optimizer.grads_states_parallel_group_is_shared()
+    shared = getattr(megatron_optimizer, "grads_states_parallel_group_is_shared", None)  # chained only
+    return shared is None or shared()
 
 
 @torch.no_grad()
@@ -47,15 +49,13 @@ def step(megatron_optimizer) -> Tuple[torch.Tensor, torch.Tensor]:
     subs = _subs(megatron_optimizer)
     megatron_optimizer.prepare_grads()  # without a loss scaler this only copies, and finds nothing
     grads = [g for o in subs for g in o.get_main_grads_for_grad_norm()]
-    device = next(p for o in subs for g in o.optimizer.param_groups for p in g["params"]).device
-    if grads:
-        sq = torch.stack(torch._foreach_norm(grads)).float().pow(2).sum()
+    if grads:  # as mcore's get_grad_norm_fp32: the local norm squared, summed over the group
+        sq = multi_tensor_l2norm(None, None, [grads], False)[0] ** 2
     else:
-        sq = torch.zeros((), dtype=torch.float32, device=device)
-    group = (megatron_optimizer.get_grad_stats_parallel_group()
-             if hasattr(megatron_optimizer, "chained_optimizers") else subs[0].get_grad_stats_parallel_group())
-    dist.all_reduce(sq, group=group)
-    norm = sq.sqrt()
+        device = next(p for o in subs for g in o.optimizer.param_groups for p in g["params"]).device
+        sq = torch.zeros(1, dtype=torch.float32, device=device)
+    dist.all_reduce(sq, group=megatron_optimizer.get_grad_stats_parallel_group())
+    norm = sq.sqrt().reshape(())
     skipped = ~torch.isfinite(norm)
     found_inf = skipped.float()  # 0-dim, like the step counters it is subtracted from
     clip = subs[0].config.clip_grad
