@@ -12,7 +12,6 @@ time. Busy well below wall means the GPU waits on the host (launch overhead, hos
 stretch is charged to the Python code that launched the kernel ending it (the host was late there).
 """
 
-import bisect
 import json
 import os
 import sys
@@ -104,8 +103,8 @@ _DULL = ("torch/nn/modules/module.py", "_contextlib.py", "<built-in", "torch/aut
 
 
 def print_gaps(prof, steps, top, min_us=5.0):
-    """GPU idle stretches (no kernel, copy or memset running), each charged to the innermost interesting
-    Python frames around the launch of the kernel that ends it."""
+    """GPU idle stretches (no kernel, copy or memset running), each charged to the Python frames (with
+    --with_stack) or host ranges around the launch of the kernel that ends it."""
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         prof.export_chrome_trace(f.name)
         events = json.load(open(f.name))["traceEvents"]
@@ -114,34 +113,47 @@ def print_gaps(prof, steps, top, min_us=5.0):
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}
     # Python frames when traced, else the host ranges (torch ops, autograd nodes, record_function)
     cat = "python_function" if any(e.get("cat") == "python_function" for e in events) else "cpu_op"
-    frames = {}  # tid -> frames sorted by start
+    frames = {}  # tid -> frames sorted by start, outer before inner
     for e in events:
         if e.get("cat") == cat:
             frames.setdefault(e["tid"], []).append(e)
     for fs in frames.values():
         fs.sort(key=lambda e: (e["ts"], -e["dur"]))
-    starts = {tid: [e["ts"] for e in fs] for tid, fs in frames.items()}
 
-    def where(launch):
-        fs, ts = frames.get(launch["tid"], []), starts.get(launch["tid"], [])
-        t = launch["ts"]
-        # enclosing frames: started before t and still running; nesting makes a backward scan cheap enough
-        enclosing = [e for e in fs[: bisect.bisect_right(ts, t)][-4000:] if e["ts"] + e["dur"] >= t]
-        names = [e["name"] for e in enclosing if not any(d in e["name"] for d in _DULL)]
+    gaps = []  # (idle us, the launch of the kernel that ends it, or that kernel when unrecorded)
+    end = None
+    for k in gpu:
+        if end is not None and k["ts"] - end > min_us:
+            gaps.append((k["ts"] - end, launches.get(k.get("args", {}).get("correlation")), k))
+        end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
+
+    # the frames enclosing each launch, in one sweep per thread: a stack of the frames started so far
+    enclosing = {}
+    for tid, fs in frames.items():
+        stack, i = [], 0
+        for launch in sorted((g[1] for g in gaps if g[1] and g[1]["tid"] == tid), key=lambda e: e["ts"]):
+            t = launch["ts"]
+            while i < len(fs) and fs[i]["ts"] <= t:
+                while stack and stack[-1]["ts"] + stack[-1]["dur"] < fs[i]["ts"]:
+                    stack.pop()
+                stack.append(fs[i])
+                i += 1
+            enclosing[id(launch)] = [e["name"] for e in stack if e["ts"] + e["dur"] >= t]
+
+    def where(launch, kernel):
+        if launch is None:
+            return "(no launch record) " + kernel["name"][:60]
+        names = [n for n in enclosing.get(id(launch), []) if not any(d in n for d in _DULL)]
         if cat == "cpu_op":  # the outermost range says which phase, the innermost which op
             names = names[:1] + names[-2:] if len(names) > 3 else names
         return " > ".join(n.split("site-packages/")[-1] for n in names[-3:]) or launch["name"]
 
-    by_site, total, end = {}, 0.0, None
-    for k in gpu:
-        if end is not None and k["ts"] - end > min_us:
-            gap = k["ts"] - end
-            launch = launches.get(k.get("args", {}).get("correlation"))
-            site = where(launch) if launch else "(no launch record) " + k["name"][:60]
-            t, n = by_site.get(site, (0.0, 0))
-            by_site[site] = (t + gap, n + 1)
-            total += gap
-        end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
+    by_site, total = {}, 0.0
+    for gap, launch, kernel in gaps:
+        site = where(launch, kernel)
+        t, n = by_site.get(site, (0.0, 0))
+        by_site[site] = (t + gap, n + 1)
+        total += gap
     print(f"GPU idle {total / 1e3 / steps:.2f} ms per step in gaps over {min_us:.0f} us; by the code that launched "
           "the kernel after the gap:")
     for site, (t, n) in sorted(by_site.items(), key=lambda kv: -kv[1][0])[:top]:
