@@ -31,6 +31,8 @@ LAYOUTS_2GPU = {
     # compiled layers whose linears and TP sums are custom ops (layers/compiled_linear.py)
     "tp2_compiled_linear_ops": dict(tp=2, compile="plugin", wgrad_fusion=True),
     "tp2_sp_compiled_linear_ops": dict(tp=2, sp=True, compile="plugin", wgrad_fusion=True),
+    # CUDA graphs (reduce-overhead) around the eager TP linears; the fused weight gradient is off there
+    "tp2_cuda_graphs": dict(tp=2, compile="cuda_graphs"),
 }
 # the Llama family (GQA, RoPE, SwiGLU, RMSNorm) in the layouts people train it with
 LLAMA_LAYOUTS_2GPU = {
