@@ -177,11 +177,17 @@ def measure(args):
         step()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    # events between steps (they do not synchronize): each step's span on the GPU's timeline, so a slow
+    # step (a recompile, an allocator miss) shows instead of hiding in the mean
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
     t0 = time.perf_counter()
-    for _ in range(args.steps):
+    marks[0].record()
+    for i in range(args.steps):
         step()
+        marks[i + 1].record()
     torch.cuda.synchronize()
     dt = time.perf_counter() - t0
+    step_ms = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]
     tokens = args.global_batch * args.seq * args.steps
     per_token, n_params = flops_per_token(cfg, args.seq)
     tok_s = tokens / dt
@@ -198,7 +204,7 @@ def measure(args):
         "size": args.size, "mode": variant, "gpus": world, "tp": args.tp, "pp": args.pp,
         "global_batch": args.global_batch, "tok_s": round(tok_s), "tflops_per_gpu": round(flops / 1e12, 1),
         "mfu": round(flops / peak_flops(name), 3), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-        "params": n_params, "device": name,
+        "params": n_params, "device": name, "step_ms": step_ms,
     }
     if int(os.environ.get("RANK", "0")) == world - 1:
         print("RESULT " + json.dumps(result), flush=True)

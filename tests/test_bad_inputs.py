@@ -207,9 +207,11 @@ def test_prepare_refuses_before_distributed_work():
         assert got[name][2] is False, f"{name}: raised after Megatron's groups were built"
 
 
-def _step_errors():
+def _step_errors(defer=False):
     acc, engine = _prepare()
     engine.train()
+    if defer:  # as the CUDA engine reads the flags: after the first micro-batch's forward is queued
+        engine._can_defer_batch_check = lambda: True
     good = {k: torch.stack([d[k] for d in token_dataset(4, 1000)]) for k in ("input_ids", "attention_mask", "labels")}
     out = {}
 
@@ -237,8 +239,9 @@ def _step_errors():
     return out, untouched, skipped_untouched
 
 
-def test_bad_batches():
-    for out, untouched, skipped_untouched in run_on_ranks(_step_errors, 2):
+@pytest.mark.parametrize("defer", [False, True], ids=["read_before_step", "read_after_first_forward"])
+def test_bad_batches(defer):
+    for out, untouched, skipped_untouched in run_on_ranks(_step_errors, 2, defer):
         _check(out["ids_over_vocab"], "input_ids", "[0, 1000)", "max 1000", "tokenizer")
         _check(out["negative_ids"], "input_ids", "min -2000")
         _check(out["labels_over_vocab"], "labels", "-100")
@@ -255,31 +258,35 @@ def test_bad_batches():
         assert status == "ok" and loss == loss and not skipped
 
 
+def _counting_reads(fn):
+    """fn() with every host read of a tensor's value counted (each is a sync on a GPU)."""
+    reads = dict.fromkeys(("tolist", "item", "__bool__", "__int__", "__float__"), 0)
+    own = {name: torch.Tensor.__dict__.get(name) for name in reads}
+
+    def counting(name, read):
+        def counted(self, *args, **kwargs):
+            reads[name] += 1
+            return read(self, *args, **kwargs)
+        return counted
+
+    for name in reads:
+        setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
+    try:
+        return fn(), reads
+    finally:
+        for name, read in own.items():
+            if read is None:
+                delattr(torch.Tensor, name)
+            else:
+                setattr(torch.Tensor, name, read)
+
+
 def _check_reads():
     """How often the batch check reads device values back on the host, for a good batch."""
     acc, engine = _prepare()
     engine.train()
     batch = {k: torch.stack([d[k] for d in token_dataset(4, 1000)]) for k in ("input_ids", "labels")}
-    reads = dict.fromkeys(("tolist", "item", "__bool__", "__int__", "__float__"), 0)
-    own = {name: torch.Tensor.__dict__.get(name) for name in reads}
-
-    def counting(name, fn):
-        def read(self, *args, **kwargs):
-            reads[name] += 1
-            return fn(self, *args, **kwargs)
-        return read
-
-    for name in reads:
-        setattr(torch.Tensor, name, counting(name, getattr(torch.Tensor, name)))
-    try:
-        ok = engine._check_batch(batch, engine.train_step_handler)
-    finally:
-        for name, fn in own.items():
-            if fn is None:
-                delattr(torch.Tensor, name)
-            else:
-                setattr(torch.Tensor, name, fn)
-    return ok, reads
+    return _counting_reads(lambda: engine._check_batch(batch, engine.train_step_handler))
 
 
 def test_batch_check_reads_the_device_once():
@@ -289,12 +296,48 @@ def test_batch_check_reads_the_device_once():
         assert reads == {"tolist": 1, "item": 0, "__bool__": 0, "__int__": 0, "__float__": 0}, reads
 
 
-def _one_rank_bad_batch():
+def _mask_reads(key, padded):
+    """Reads in a whole step of 2 micro-batches whose batch has an attention mask or position ids; the
+    loss too, against the same batch given to the engine without its all-ones mask / plain positions."""
+    acc, engine = _prepare(plugin=MegatronLMPlugin(num_micro_batches=2), micro=2)
+    engine.train()
+    batch = {k: torch.stack([d[k] for d in token_dataset(4, 1000)]) for k in ("input_ids", "labels")}
+    rows, seq = batch["input_ids"].shape
+    if key == "attention_mask":
+        batch[key] = torch.ones(rows, seq, dtype=torch.long)
+        if padded:
+            batch[key][3, seq // 2:] = 0
+    else:
+        batch[key] = torch.arange(seq).repeat(rows, 1)
+        if padded:  # two sequences packed into row 3
+            batch[key][3, seq // 2:] -= seq // 2
+    engine.eval()  # no update between the two losses
+    plain = engine(**{k: v for k, v in batch.items() if k == "input_ids" or k == "labels"}).loss.item()
+    loss, reads = _counting_reads(lambda: engine(**batch).loss)
+    return reads, plain, loss.item()
+
+
+@pytest.mark.parametrize("key", ["attention_mask", "position_ids"])
+def test_masks_and_positions_are_read_with_the_batch_check(key):
+    """Whether a micro-batch's mask pads, or its positions pack sequences, decides the attention path
+    on the host. The batch check reads that once for every micro-batch, with its own flags, instead of
+    once per micro-batch in the train step."""
+    (reads, plain, loss), = run_on_ranks(_mask_reads, 1, key, False)
+    assert reads["tolist"] == 1 and reads["__bool__"] == 0, reads
+    assert loss == plain  # all ones / plain positions: the same (flash) path as without the key
+    (reads, plain, loss), = run_on_ranks(_mask_reads, 1, key, True)
+    assert reads["tolist"] == 1 and reads["__bool__"] == 0, reads
+    assert loss != plain  # the padding / packing was seen (the same path would give the same bits)
+
+
+def _one_rank_bad_batch(defer=False):
     """Only rank 1's batch is bad: both ranks must raise (no rank left waiting in a collective)."""
     import torch.distributed as dist
 
     acc, engine = _prepare(plugin=MegatronLMPlugin(), micro=2)
     engine.train()
+    if defer:
+        engine._can_defer_batch_check = lambda: True
     batch = {k: torch.stack([d[k] for d in token_dataset(2, 1000)]) for k in ("input_ids", "labels")}
     if dist.get_rank() == 1:
         batch["labels"][0, 3] = 7777
@@ -305,8 +348,9 @@ def _one_rank_bad_batch():
     return None
 
 
-def test_a_bad_batch_on_one_rank_stops_all_ranks():
-    got = run_on_ranks(_one_rank_bad_batch, 2)
+@pytest.mark.parametrize("defer", [False, True], ids=["read_before_step", "read_after_first_forward"])
+def test_a_bad_batch_on_one_rank_stops_all_ranks(defer):
+    got = run_on_ranks(_one_rank_bad_batch, 2, defer)
     assert "this rank's batch" in got[1] and "another rank's batch" in got[0]
 
 

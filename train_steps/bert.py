@@ -37,6 +37,7 @@ class BertTrainStep(AbstractTrainStep):
         def get_batch(data_iterator):
             """-> tokens, token types, sentence order (or None), loss mask, labels (0 where ignored), padding mask"""
             from megatron_plugin.errors import MegatronPluginConfigError
+            from megatron_plugin.layers.masks import no_padding
 
             data = next(data_iterator)
             tokens = data["input_ids"].long()
@@ -50,7 +51,7 @@ class BertTrainStep(AbstractTrainStep):
                     "the model has no binary (next-sentence) head: train a ...ForPreTraining model, or drop the key",
                 )
             mask = data.get("attention_mask")
-            padding = None if mask is None or bool(mask.all()) else ~mask.bool()[:, None, None, :]
+            padding = None if mask is None or no_padding(mask) else ~mask.bool()[:, None, None, :]
             loss_mask = (labels != IGNORE_INDEX).float()
             return tokens, types, sentence_order, loss_mask, labels.clamp_min(0), padding
 

@@ -22,8 +22,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from ..layers.comm import gather_tensor_parallel_last_dim
+from ..layers.masks import KNOWN, rows_not_packed, rows_without_padding
 from ..errors import MegatronPluginConfigError
 from ..models.modeling import MegatronModel
+from .batch_check import DeferredCheck, NoLossInStep
 
 
 def megatron_args(plugin, model: MegatronModel, micro_batch_size: int, dp_size: int) -> SimpleNamespace:
@@ -61,6 +63,7 @@ class MegatronEngine(torch.nn.Module):
         self._offload = None  # the Offload holding what offload() moved, once used
         self._swapped = False  # inside use_weights(snapshot)
         self._family_step = None  # the family's own step, for log-probs when the user's step has no logits
+        self._pending_check = None  # this step's DeferredCheck, until the first forward has been queued
 
     # -- the step -------------------------------------------------------------------------------
     def forward(self, **batch):
@@ -69,17 +72,24 @@ class MegatronEngine(torch.nn.Module):
         step = self.train_step_handler
         micro_batches = self._split(batch, step)
         cls = step.model_output_class
-        if not self._check_batch(batch, step):
-            # no token of the whole step carries a loss: say so, and leave the weights alone
-            self.last_step_skipped = True
-            if self.training:
-                self.iteration += 1
-            nan = torch.full((), float("nan"), device=self.device)
-            self.metrics = {}
-            return self._output(cls, nan, None, {})
+        checked = self._check_batch(batch, step, micro_batches, defer=self.training and self._can_defer_batch_check())
+        if isinstance(checked, DeferredCheck):
+            micro_batches = self._split(checked.safe_batch, step)
+        if checked is False:
+            return self._skipped_step(cls)
         with self._busy(), self.rng.active():
             if self.training:
-                logs = self._train_step(micro_batches)
+                self._pending_check = checked if isinstance(checked, DeferredCheck) else None
+                try:
+                    logs = self._train_step(micro_batches)
+                except NoLossInStep:
+                    return self._skipped_step(cls)
+                except BaseException:
+                    if self._pending_check is not None:
+                        self._pending_check.resolve()  # a bad batch says so, rather than what it broke
+                    raise
+                finally:
+                    self._pending_check = None
                 logits = None
             else:
                 with torch.no_grad():
@@ -91,6 +101,20 @@ class MegatronEngine(torch.nn.Module):
         else:
             loss = sum(logs.values()) if logs else torch.zeros((), device=self.device)
         return self._output(cls, loss, logits, logs)
+
+    def _skipped_step(self, cls):
+        """No token of the whole step carries a loss: the weights stay as they were, the loss is nan."""
+        self.last_step_skipped = True
+        if self.training:
+            self.iteration += 1
+        nan = torch.full((), float("nan"), device=self.device)
+        self.metrics = {}
+        return self._output(cls, nan, None, {})
+
+    def _can_defer_batch_check(self) -> bool:
+        """Whether the batch check's result may be read after the first micro-batch's forward is queued
+        (the CUDA engine without pipelining); here it is read before the step starts."""
+        return False
 
     @staticmethod
     def _output(cls, loss, logits, logs):
@@ -166,30 +190,33 @@ class MegatronEngine(torch.nn.Module):
         batch = {k: v.to(self.device) for k, v in tensors.items()}
         return [{k: v.chunk(n)[i] for k, v in batch.items()} for i in range(n)]
 
-    def _check_batch(self, batch, step, need_loss: bool = True) -> bool:
+    def _check_batch(self, batch, step, micro_batches=(), need_loss: bool = True, defer: bool = False):
         """Refuse token ids or labels the model cannot have, a sequence longer than its positions, or (for
         a loss, `need_loss`) a batch the train step rejects, on every rank alike (one small all-reduce, so
         no rank is left waiting in a collective). Returns False when no token of the whole step carries a
-        loss. The flags are computed on the device and read back once: each read is a host-device sync
-        that drains the GPU's queue before the step starts."""
+        loss, else True. The flags are computed on the device and read back once. That read waits for the
+        GPU to drain its queue, so with `defer` it is not made here: the flags travel to the host behind
+        the previous step's work, and a `DeferredCheck` is returned, read once the first micro-batch's
+        forward is queued (`safe_batch` keeps that forward in bounds whatever the batch holds).
+
+        The same read tells, per micro-batch, whether its attention masks pad anything and whether its
+        position ids pack sequences; those answers are set on `micro_batches`' tensors (layers/masks.py),
+        so the train step need not read the device for them once per micro-batch. The forward needs
+        them before it is queued, so a batch with such keys is read here, even with `defer`."""
         cfg = self.model.hf_config
         vocab = cfg.vocab_size
         id_keys = sorted({k for k, v in batch.items() if k.endswith("input_ids") and torch.is_tensor(v)} | {step.input_key})
         label_keys = [k for k, v in batch.items() if k.endswith("labels") and torch.is_tensor(v)]
         limit = self.model.family.position_limit(cfg)
-
-        def ids_bad(k):
-            return ((batch[k] < 0) | (batch[k] >= vocab)).any()
-
-        def labels_bad(k):
-            return (((batch[k] < 0) & (batch[k] != -100)) | (batch[k] >= vocab)).any()
+        out_of_range = {k: (batch[k] < 0) | (batch[k] >= vocab) for k in id_keys}
+        out_of_range.update({k: ((batch[k] < 0) & (batch[k] != -100)) | (batch[k] >= vocab) for k in label_keys})
 
         def const(value):  # a fill kernel: writing a host number into a device tensor would sync
             return torch.full((), int(value), dtype=torch.int64, device=self.device)
 
         flags = []
-        for keys, bad in ((id_keys, ids_bad), (label_keys, labels_bad)):
-            found = [bad(k).to(self.device) for k in keys]  # an empty tensor has none: any() is False
+        for keys in (id_keys, label_keys):
+            found = [out_of_range[k].any().to(self.device) for k in keys]  # an empty tensor has none
             flags.append(torch.stack(found).any().long() if found else const(0))
         length = max(batch[k].shape[1] for k in id_keys if batch[k].dim() == 2)
         flags.append(const(limit is not None and length > limit))
@@ -204,10 +231,36 @@ class MegatronEngine(torch.nn.Module):
         status = local.clone()
         if dist.get_world_size() > 1:
             dist.all_reduce(status)
-        (bad_id, bad_label, too_long, tokens, bad_step), mine = torch.stack([status, local]).tolist()
+        # per micro-batch: no padding in each attention mask, no packed sequences in the position ids
+        fact_keys = [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2 and micro_batches
+                     and (k.endswith("attention_mask") or k == "position_ids")]
+        facts = [(rows_without_padding if k.endswith("attention_mask") else rows_not_packed)(batch[k])
+                 .reshape(len(micro_batches), -1).all(1).to(self.device, torch.int64) for k in fact_keys]
+        both = torch.cat([status, local, *facts])
+
+        def verdict(values) -> bool:
+            ok = self._batch_verdict([values[:5], values[5:10]], batch, out_of_range, id_keys, label_keys, vocab,
+                                     limit, length, error)
+            for j, k in enumerate(fact_keys):
+                for i, mb in enumerate(micro_batches):
+                    setattr(mb[k], KNOWN, bool(values[10 + j * len(micro_batches) + i]))
+            return ok
+
+        known_bad = error is not None or (limit is not None and length > limit)  # say so now (after the all-reduce)
+        if not defer or known_bad or fact_keys:
+            return verdict(both.tolist())
+        safe = dict(batch)
+        for k in id_keys + label_keys:  # out-of-range ids would fault the embedding before the read
+            fill = -100 if k in label_keys else 0
+            safe[k] = batch[k].to(self.device).masked_fill(out_of_range[k].to(self.device), fill)
+        return DeferredCheck(both, verdict, safe)
+
+    def _batch_verdict(self, values, batch, out_of_range, id_keys, label_keys, vocab, limit, length, error) -> bool:
+        """What the check's flags (all ranks', this rank's) mean: raise for a bad batch, False for no loss."""
+        (bad_id, bad_label, too_long, tokens, bad_step), mine = values
         here = " (this rank's batch)" if any(mine[:3]) or mine[4] else " (another rank's batch)"
-        bad_ids = [k for k in id_keys if ids_bad(k)] if mine[0] else []
-        bad_labels = [k for k in label_keys if labels_bad(k)] if mine[1] else []
+        bad_ids = [k for k in id_keys if out_of_range[k].any()] if mine[0] else []
+        bad_labels = [k for k in label_keys if out_of_range[k].any()] if mine[1] else []
         if bad_step:
             if error is not None:
                 raise error
@@ -250,8 +303,10 @@ class MegatronEngine(torch.nn.Module):
     def _train_step(self, micro_batches):
         n = len(micro_batches)
         collected: List[Dict[str, torch.Tensor]] = []
-        for mb in micro_batches:
+        for i, mb in enumerate(micro_batches):
             _, (loss, logs) = self._forward_micro_batch(mb)
+            if i == 0 and self._pending_check is not None:
+                self._pending_check.raise_if_no_loss()
             (loss / n).backward()
             collected.append(logs)
         self._reduce_gradients()
@@ -337,7 +392,7 @@ class MegatronEngine(torch.nn.Module):
             raise MegatronPluginConfigError("entropy", entropy, "pass True or False")
         step = self._logits_step()
         micro_batches = self._split(batch, step)
-        self._check_batch(batch, step, need_loss=False)
+        self._check_batch(batch, step, micro_batches, need_loss=False)
         forward_step = log_prob_forward_step(step, self.model.hf_config.vocab_size, temperature, entropy)
         was_training = self.training
         self.train(False)

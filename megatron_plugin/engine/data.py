@@ -37,11 +37,14 @@ def prepare_megatron_dataloader(dataloader: DataLoader, plugin, dp_size: int, dp
         collate_fn=dataloader.collate_fn,
         drop_last=dataloader.drop_last,
         num_workers=dataloader.num_workers,
-        pin_memory=dataloader.pin_memory,
+        # pinned, so the copy to the GPU is queued without waiting: a pageable copy first waits for the
+        # GPU to finish the previous step, which then idles while the host prepares the next one
+        pin_memory=dataloader.pin_memory or device.type == "cuda",
     )
     prepared = prepare_data_loader(
         rebuilt,
         device=device,
+        non_blocking=device.type == "cuda",
         num_processes=dp_size,
         process_index=dp_rank,
         split_batches=False,

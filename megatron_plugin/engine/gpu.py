@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Optional
 
 import torch
@@ -50,6 +51,20 @@ def optimizer_config(user_opt: torch.optim.Optimizer, plugin, dtype: Optional[to
         optimizer="adam", adam_beta1=beta1, adam_beta2=beta2, adam_eps=g["eps"],
         decoupled_weight_decay=kind is torch.optim.AdamW, **common,
     )
+
+
+def _judge_after_first_forward(forward_step, check):
+    """The train step's forward_step, reading the batch check's flags once the first micro-batch's forward
+    is queued: the host waits for the flags while the GPU computes, and a bad batch (or one without loss
+    tokens) still stops the step before any backward."""
+
+    @functools.wraps(forward_step)  # mcore reads the signature (checkpoint_activations_microbatch)
+    def judged(*args, **kwargs):
+        out = forward_step(*args, **kwargs)
+        check.raise_if_no_loss()
+        return out
+
+    return judged
 
 
 def transformer_layers(module):
@@ -113,8 +128,11 @@ class MegatronCoreEngine(MegatronEngine):
             )
         chunks = list(self.wrapped)
         iters = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
+        forward_step = forward_step or step.forward_step
+        if self._pending_check is not None:
+            forward_step = _judge_after_first_forward(forward_step, self._pending_check)
         return get_forward_backward_func()(
-            forward_step_func=forward_step or step.forward_step,
+            forward_step_func=forward_step,
             data_iterator=iters,
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=n,
@@ -122,6 +140,10 @@ class MegatronCoreEngine(MegatronEngine):
             micro_batch_size=b,
             forward_only=forward_only,
         )
+
+    def _can_defer_batch_check(self) -> bool:
+        # with pipelining a stage that raised after its forward would leave its peers waiting in p2p
+        return parallel_state.get_pipeline_model_parallel_world_size() == 1
 
     def _train_step(self, micro_batches):
         for m in self.wrapped:

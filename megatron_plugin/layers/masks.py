@@ -15,13 +15,40 @@ def causal_mask(queries: int, keys: int, device=None) -> torch.Tensor:
     return ~torch.ones(queries, keys, dtype=torch.bool, device=device).tril(keys - queries)
 
 
+# What the engine's batch check already read about a micro-batch's mask or position ids (a Python bool
+# set as this attribute on that tensor): deciding it here again would read the device once per
+# micro-batch, and each read stalls the GPU until the work queued before it is done.
+KNOWN = "_megatron_plugin_known"
+
+
+def rows_without_padding(attention_mask: torch.Tensor) -> torch.Tensor:
+    return attention_mask.bool().all(-1)
+
+
+def rows_not_packed(position_ids: torch.Tensor) -> torch.Tensor:
+    return _sequence_ids(position_ids)[:, -1] == 0
+
+
+def _known_or(t: torch.Tensor, rows_fact) -> bool:
+    known = getattr(t, KNOWN, None)
+    return bool(rows_fact(t).all()) if known is None else known
+
+
+def no_padding(attention_mask: torch.Tensor) -> bool:
+    """An HF padding mask without a padded position (absent and all-ones masks mean the same)."""
+    return _known_or(attention_mask, rows_without_padding)
+
+
+def _sequence_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    first = position_ids[:, :1] - 1
+    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
+    return starts.cumsum(-1)
+
+
 def packed_sequence_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     """HF's rule (transformers.masking_utils.find_packed_sequence_indices): where position ids do not
     step by one a new sequence starts. [b, s] -> sequence index per token, or None if nothing is packed."""
-    first = position_ids[:, :1] - 1
-    starts = torch.diff(position_ids, prepend=first, dim=-1) != 1
-    ids = starts.cumsum(-1)
-    return None if bool((ids[:, -1] == 0).all()) else ids
+    return None if _known_or(position_ids, rows_not_packed) else _sequence_ids(position_ids)
 
 
 def attention_mask_4d(attention_mask: Optional[torch.Tensor], seq_len: int, position_ids: Optional[torch.Tensor] = None,
@@ -40,7 +67,7 @@ def attention_mask_4d(attention_mask: Optional[torch.Tensor], seq_len: int, posi
     packed = None
     if attention_mask is None and position_ids is not None and past == 0:
         packed = packed_sequence_ids(position_ids)
-    padded = attention_mask is not None and not bool(attention_mask.all())
+    padded = attention_mask is not None and not no_padding(attention_mask)
     windowed = window is not None and keys > window
     if not (padded or packed is not None or windowed or (past and seq_len > 1)):
         return None

@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from ..errors import MegatronPluginConfigError
 from ..layers.comm import gather_tensor_parallel_last_dim
+from ..layers.masks import no_padding
 from ..layers.norm import Norm
 from ..layers.spec import block_spec
 from .common import HFParityMixin, use_our_output_layer
@@ -225,7 +226,7 @@ def bert_forward(model, input_ids, attention_mask=None, token_type_ids=None, pos
     """HF inputs -> (MLM logits [b, s, vocab] gathered over TP, NSP logits) for the LM variants,
     (last hidden state, pooled output) for the base ones; with shifted-free `labels` the per-token loss."""
     mask = None
-    if attention_mask is not None and not bool(attention_mask.all()):
+    if attention_mask is not None and not no_padding(attention_mask):
         mask = ~attention_mask.bool()[:, None, None, :]
     if labels is not None:
         return model.module(input_ids, mask, token_type_ids, labels.masked_fill(labels < 0, 0), position_ids)

@@ -10,7 +10,7 @@ import torch
 
 from functools import partial
 
-from tests.gpu.workers import STEPS, clip_run, generate_layout, run_layout
+from tests.gpu.workers import STEPS, clip_run, deferred_check_run, generate_layout, run_layout
 from tests.spawn import run_on_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -147,6 +147,16 @@ def test_non_finite_gradient_skips_the_update_bf16():
     assert res["clip_on_device"] and res["weights_kept"], res
     assert res["skipped"] == [False, False, True, False, False, False], res
     assert res["norms"][2] == float("inf") and all(math.isfinite(x) for x in res["losses"]), res
+
+
+def test_batch_check_read_after_the_forward_is_queued():
+    res = run_on_ranks(deferred_check_run, 1)[0]
+    assert res["deferred"] and len(res["syncs_with_mask"]) == 1 and res["syncs_without_mask"] == [], res
+    assert res["input_ids_error"] and "input_ids" in res["input_ids_error"] and "1000" in res["input_ids_error"], res
+    assert res["labels_error"] and "labels" in res["labels_error"], res
+    assert res["input_ids_weights_kept"] and res["labels_weights_kept"], res
+    assert res["empty_loss_nan"] and res["empty_skipped"] and res["empty_weights_kept"], res
+    assert all(math.isfinite(x) for x in res["losses"]) and res["losses"][-1] < res["losses"][0], res
 
 
 def test_single_gpu_bf16_logits_llama():

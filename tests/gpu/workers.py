@@ -1,5 +1,6 @@
 """GPU runs of the user's workflow (Accelerator + prepare + engine), one layout per launch."""
 
+import math
 import os
 
 import torch
@@ -191,4 +192,70 @@ def clip_run(on_device=True, precision="no", clip=0.05, inf_step=None, steps=6):
         res["losses"].append(out.loss.item())
         res["norms"].append(float(acc.clip_grad_norm_(engine.parameters(), clip)))
         res["skipped"].append(opt.step_was_skipped)
+    return res
+
+
+def deferred_check_run():
+    """The batch check read after the first forward is queued (engine/batch_check.py): a training step
+    without masks to decide makes no synchronizing call, one with an attention mask exactly one (the
+    check, which also answers the mask question for both micro-batches); ids or labels out of range
+    raise the clear error and leave the weights and the GPU usable; a batch without loss tokens is
+    skipped; training then goes on."""
+    import warnings
+
+    from megatron_plugin import Accelerator, MegatronLMPlugin
+    from megatron_plugin.errors import MegatronPluginConfigError
+
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(num_micro_batches=NUM_MICRO), mixed_precision="bf16")
+    hf = gpu_model()
+    loader = DataLoader(dataset(6 * MICRO * NUM_MICRO), batch_size=MICRO, drop_last=True)
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-3)
+    engine, opt, loader = acc.prepare(hf, opt, loader)
+    engine.train()
+    batches = iter(loader)
+    res = {"deferred": engine._can_defer_batch_check(), "losses": []}
+
+    def weights():
+        return [p.detach().clone() for p in engine.parameters()]
+
+    for _ in range(2):  # warm: allocator, first-step set-up
+        res["losses"].append(engine(**next(batches)).loss.item())
+    torch.cuda.synchronize()
+
+    def syncs(batch):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = engine(**batch)
+            finally:
+                torch.cuda.set_sync_debug_mode(0)
+        res["losses"].append(out.loss.item())
+        return [str(w.message)[:120] for w in caught if "called a synchronizing" in str(w.message)]
+
+    # the loader's batches carry an all-ones attention mask: one read, for the check and both micro-batches
+    res["syncs_with_mask"] = syncs(next(batches))
+    res["syncs_without_mask"] = syncs({k: v for k, v in next(batches).items() if k != "attention_mask"})
+
+    good = {k: v for k, v in next(batches).items() if k != "attention_mask"}  # deferred: no mask to decide
+    for key, value in (("input_ids", 1000), ("labels", 5000)):
+        bad = {k: v.clone() for k, v in good.items()}
+        bad[key][1, 3] = value
+        before = weights()
+        try:
+            engine(**bad)
+            res[f"{key}_error"] = None
+        except MegatronPluginConfigError as e:
+            res[f"{key}_error"] = str(e)
+        res[f"{key}_weights_kept"] = all(torch.equal(a, b) for a, b in zip(before, weights()))
+    empty = {k: v.clone() for k, v in good.items()}
+    empty["labels"].fill_(-100)
+    before = weights()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = engine(**empty)
+    res["empty_loss_nan"] = math.isnan(out.loss.item())
+    res["empty_skipped"] = engine.last_step_skipped
+    res["empty_weights_kept"] = all(torch.equal(a, b) for a, b in zip(before, weights()))
+    res["losses"].append(engine(**good).loss.item())
     return res
