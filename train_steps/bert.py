@@ -37,7 +37,7 @@ class BertTrainStep(AbstractTrainStep):
         def get_batch(data_iterator):
             """-> tokens, token types, sentence order (or None), loss mask, labels (0 where ignored), padding mask"""
             from megatron_plugin.errors import MegatronPluginConfigError
-            from megatron_plugin.layers.masks import no_padding
+            from megatron_plugin.layers.masks import padding_mask
 
             data = next(data_iterator)
             tokens = data["input_ids"].long()
@@ -50,8 +50,7 @@ class BertTrainStep(AbstractTrainStep):
                     "next_sentence_label", "in the batch",
                     "the model has no binary (next-sentence) head: train a ...ForPreTraining model, or drop the key",
                 )
-            mask = data.get("attention_mask")
-            padding = None if mask is None or no_padding(mask) else ~mask.bool()[:, None, None, :]
+            padding = padding_mask(data.get("attention_mask"))
             loss_mask = (labels != IGNORE_INDEX).float()
             return tokens, types, sentence_order, loss_mask, labels.clamp_min(0), padding
 

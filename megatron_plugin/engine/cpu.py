@@ -219,7 +219,8 @@ class MegatronEngine(torch.nn.Module):
             found = [out_of_range[k].any().to(self.device) for k in keys]  # an empty tensor has none
             flags.append(torch.stack(found).any().long() if found else const(0))
         length = max(batch[k].shape[1] for k in id_keys if batch[k].dim() == 2)
-        flags.append(const(limit is not None and length > limit))
+        too_long = limit is not None and length > limit
+        flags.append(const(too_long))
         tokens = step.count_loss_tokens(batch) if need_loss else None
         flags.append(const(1) if tokens is None else tokens.to(self.device, torch.int64).reshape(()))
         try:
@@ -246,8 +247,8 @@ class MegatronEngine(torch.nn.Module):
                     setattr(mb[k], KNOWN, bool(values[10 + j * len(micro_batches) + i]))
             return ok
 
-        known_bad = error is not None or (limit is not None and length > limit)  # say so now (after the all-reduce)
-        if not defer or known_bad or fact_keys:
+        # a batch known bad on the host says so now (after the all-reduce, so every rank does)
+        if not defer or error is not None or too_long or fact_keys:
             return verdict(both.tolist())
         safe = dict(batch)
         for k in id_keys + label_keys:  # out-of-range ids would fault the embedding before the read

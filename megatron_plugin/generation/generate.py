@@ -25,6 +25,7 @@ from megatron.core import parallel_state
 
 from ..errors import MegatronPluginConfigError
 from ..layers.comm import gather_tensor_parallel_last_dim
+from ..layers.masks import padding_mask
 from .cache import DecodeState, kv_cache
 
 
@@ -292,9 +293,7 @@ def _seq2seq_generate(model, input_ids, attention_mask, settings: Settings, devi
     keeps the encoder's keys and values). Returns HF's layout: [batch, 1 + new tokens], start token first."""
     module, cfg = model.module, model.hf_config
     ids = input_ids.to(device).long()
-    enc_mask = None
-    if attention_mask is not None and not bool(attention_mask.all()):
-        enc_mask = ~attention_mask.to(device).bool()[:, None, None, :]
+    enc_mask = None if attention_mask is None else padding_mask(attention_mask.to(device))
     b, total = ids.shape[0], 1 + settings.max_new_tokens
     out = torch.full((b, total), settings.pad_token, dtype=torch.long, device=device)
     out[:, 0] = cfg.decoder_start_token_id

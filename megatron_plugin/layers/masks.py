@@ -25,18 +25,18 @@ def rows_without_padding(attention_mask: torch.Tensor) -> torch.Tensor:
     return attention_mask.bool().all(-1)
 
 
-def rows_not_packed(position_ids: torch.Tensor) -> torch.Tensor:
-    return _sequence_ids(position_ids)[:, -1] == 0
-
-
-def _known_or(t: torch.Tensor, rows_fact) -> bool:
-    known = getattr(t, KNOWN, None)
-    return bool(rows_fact(t).all()) if known is None else known
-
-
 def no_padding(attention_mask: torch.Tensor) -> bool:
     """An HF padding mask without a padded position (absent and all-ones masks mean the same)."""
-    return _known_or(attention_mask, rows_without_padding)
+    known = getattr(attention_mask, KNOWN, None)
+    return bool(rows_without_padding(attention_mask).all()) if known is None else known
+
+
+def padding_mask(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """HF padding mask [b, s] (1 = token) -> Megatron's [b, 1, 1, s] (True = masked), or None when nothing
+    is padded (which keeps the fused attention kernels)."""
+    if attention_mask is None or no_padding(attention_mask):
+        return None
+    return ~attention_mask.bool()[:, None, None, :]
 
 
 def _sequence_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -45,10 +45,18 @@ def _sequence_ids(position_ids: torch.Tensor) -> torch.Tensor:
     return starts.cumsum(-1)
 
 
+def rows_not_packed(position_ids: torch.Tensor) -> torch.Tensor:
+    return _sequence_ids(position_ids)[:, -1] == 0
+
+
 def packed_sequence_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
     """HF's rule (transformers.masking_utils.find_packed_sequence_indices): where position ids do not
     step by one a new sequence starts. [b, s] -> sequence index per token, or None if nothing is packed."""
-    return None if _known_or(position_ids, rows_not_packed) else _sequence_ids(position_ids)
+    not_packed = getattr(position_ids, KNOWN, None)
+    if not_packed:
+        return None
+    ids = _sequence_ids(position_ids)
+    return None if not_packed is None and bool((ids[:, -1] == 0).all()) else ids
 
 
 def attention_mask_4d(attention_mask: Optional[torch.Tensor], seq_len: int, position_ids: Optional[torch.Tensor] = None,

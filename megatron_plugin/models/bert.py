@@ -20,7 +20,7 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from ..errors import MegatronPluginConfigError
 from ..layers.comm import gather_tensor_parallel_last_dim
-from ..layers.masks import no_padding
+from ..layers.masks import padding_mask
 from ..layers.norm import Norm
 from ..layers.spec import block_spec
 from .common import HFParityMixin, use_our_output_layer
@@ -225,9 +225,7 @@ def build_bert(family, hf_config, config, plugin, plan, *, variant="mlm", backen
 def bert_forward(model, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None):
     """HF inputs -> (MLM logits [b, s, vocab] gathered over TP, NSP logits) for the LM variants,
     (last hidden state, pooled output) for the base ones; with shifted-free `labels` the per-token loss."""
-    mask = None
-    if attention_mask is not None and not no_padding(attention_mask):
-        mask = ~attention_mask.bool()[:, None, None, :]
+    mask = padding_mask(attention_mask)
     if labels is not None:
         return model.module(input_ids, mask, token_type_ids, labels.masked_fill(labels < 0, 0), position_ids)
     out, second = model.module(input_ids, mask, token_type_ids, None, position_ids)

@@ -25,7 +25,7 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from ..errors import MegatronPluginConfigError
 from ..layers.comm import gather_tensor_parallel_last_dim, scatter_to_tensor_parallel_dim
 from ..layers.linear import ColumnParallelLinear
-from ..layers.masks import attention_mask_4d, no_padding
+from ..layers.masks import attention_mask_4d, padding_mask
 from ..layers.spec import block_spec
 from .common import HFParityMixin
 from .family import ModelFamily
@@ -237,7 +237,7 @@ def shift_right(labels: torch.Tensor, start: int, pad: int) -> torch.Tensor:
 
 def t5_masks(attention_mask, decoder_attention_mask, dec_len: int):
     """HF padding masks -> (encoder self-attention, decoder self-attention, cross-attention) masks."""
-    enc = None if attention_mask is None or no_padding(attention_mask) else ~attention_mask.bool()[:, None, None, :]
+    enc = padding_mask(attention_mask)
     dec = attention_mask_4d(decoder_attention_mask, dec_len)
     return enc, dec, enc
 
