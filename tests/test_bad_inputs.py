@@ -232,6 +232,8 @@ def _step_errors(defer=False):
     expect("zero_rows", {"input_ids": good["input_ids"][:0]})
     expect("float_ids", {"input_ids": good["input_ids"].float()})
     expect("rows_differ", dict(good, labels=good["labels"][:2]))
+    expect("short_mask", dict(good, attention_mask=good["attention_mask"][:, :-3]))
+    expect("mask_3d", dict(good, attention_mask=good["attention_mask"][:, None, :]))
     untouched = all(torch.equal(v, engine.hf_state_dict()[k]) for k, v in before.items())
     expect("all_ignored", dict(good, labels=torch.full_like(good["labels"], -100)))
     skipped_untouched = all(torch.equal(v, engine.hf_state_dict()[k]) for k, v in before.items())
@@ -251,6 +253,8 @@ def test_bad_batches(defer):
         _check(out["zero_rows"], "input_ids", "at least one row")
         _check(out["float_ids"], "input_ids", "integer")
         _check(out["rows_differ"], "labels", "4 rows")
+        _check(out["short_mask"], "attention_mask", "padding mask", "1 for a token")
+        _check(out["mask_3d"], "attention_mask", "padding mask", "1 for a token")
         assert untouched  # none of the refused batches moved a weight
         status, loss, skipped = out["all_ignored"]
         assert status == "ok" and loss != loss and skipped and skipped_untouched  # nan, skipped, weights kept

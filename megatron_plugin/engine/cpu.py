@@ -187,6 +187,12 @@ class MegatronEngine(torch.nn.Module):
                 raise MegatronPluginConfigError(
                     f"batch[{k!r}]", tuple(v.shape), f"every tensor of the batch needs the {size} rows of {key} first"
                 )
+            ids = tensors.get(k.replace("attention_mask", "input_ids")) if k.endswith("attention_mask") else None
+            if ids is not None and v.shape != ids.shape:  # HF padding masks: one 1/0 per token of their ids
+                raise MegatronPluginConfigError(
+                    f"batch[{k!r}]", tuple(v.shape),
+                    f"pass the tokenizer's padding mask, shaped like its ids {tuple(ids.shape)}: 1 for a token, 0 for padding",
+                )
         batch = {k: v.to(self.device) for k, v in tensors.items()}
         return [{k: v.chunk(n)[i] for k, v in batch.items()} for i in range(n)]
 
