@@ -121,11 +121,19 @@ def print_gaps(prof, steps, top, min_us=5.0):
         fs.sort(key=lambda e: (e["ts"], -e["dur"]))
 
     gaps = []  # (idle us, the launch of the kernel that ends it, or that kernel when unrecorded)
+    bins = {2: [0.0, 0], 5: [0.0, 0], 20: [0.0, 0], 100: [0.0, 0], float("inf"): [0.0, 0]}  # every gap, by size
     end = None
     for k in gpu:
-        if end is not None and k["ts"] - end > min_us:
-            gaps.append((k["ts"] - end, launches.get(k.get("args", {}).get("correlation")), k))
+        if end is not None and k["ts"] > end:
+            idle = k["ts"] - end
+            b = bins[next(edge for edge in bins if idle <= edge)]
+            b[0], b[1] = b[0] + idle, b[1] + 1
+            if idle > min_us:
+                gaps.append((idle, launches.get(k.get("args", {}).get("correlation")), k))
         end = k["ts"] + k["dur"] if end is None else max(end, k["ts"] + k["dur"])
+    lows = [0, *list(bins)[:-1]]
+    print("GPU idle per step by gap size: " + ", ".join(
+        f"{lo}-{hi} us: {t / 1e3 / steps:.2f} ms ({n // steps}x)" for lo, (hi, (t, n)) in zip(lows, bins.items())))
 
     # the frames enclosing each launch, in one sweep per thread: a stack of the frames started so far
     enclosing = {}

@@ -122,3 +122,30 @@ def test_the_cases_exercise_what_they_claim():
         assert (hf(ids, position_ids=pos, use_cache=False).logits - plain).abs().max() > 1e-3
         wide = tiny_llama("mistral", sliding_window=64)
         assert (wide(cases["none"][1]).logits - plain).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("name", ["llama", "llama_tied_linear", "qwen3"])
+def test_rope_tables_apply_what_mcore_applies_from_angles(name):
+    """The cos/sin tables our layers get (layers/rope.py) rotate q and k exactly as mcore's unfused rope
+    does from the angles, through mcore's own `apply_rotary_pos_emb` with its fused-rope slot filled."""
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_plugin.layers import rope
+    from tests.models import llama_config
+
+    cfg = llama_config(name)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    emb = rope.RotaryEmbedding(cfg)
+    positions = torch.tensor([[0, 1, 2, 3, 4, 5], [0, 0, 7, 8, 9, 31]])  # a left-padded row too
+    t = torch.randn(6, 2, 3, head_dim, dtype=torch.bfloat16)
+    freqs = positions.t()[..., None].float() * emb.inv_freq
+    angles = torch.cat((freqs, freqs), dim=-1)[:, :, None, :]
+    expected = rope_utils._apply_rotary_pos_emb_bshd(t, angles, rotary_interleaved=False)
+    rope.install()
+    config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, apply_rope_fusion=True)
+    no_cp = object()  # read only for packed (thd) sequences
+    got = rope_utils.apply_rotary_pos_emb(t, emb(positions), config=config, cp_group=no_cp)
+    assert torch.equal(got, expected)
+    with pytest.raises(RuntimeError, match="cos \\| sin"):  # angles reaching the slot without TE say so
+        rope_utils.apply_rotary_pos_emb(t, angles, config=config, cp_group=no_cp)

@@ -217,3 +217,97 @@ def test_sequence_parallel_linear_ops_match_plain_tensor_parallel():
     for res in run_on_ranks(_sequence_parallel_ops_worker, 2):
         assert res["out"] < 1e-5 and res["dinput"] < 1e-5, res
         assert res["worst_grad_rel"] < 1e-4, res
+
+
+class _BufferedParams:
+    """What the GPU engine's DDP gives the parameters, on CPU: one flat fp32 gradient buffer (with
+    padding at its end, as DDP's buckets have) holding each parameter's main_grad, and DDP's hook, which
+    adds a parameter's autograd gradient into main_grad unless the backward put it there itself. The
+    buffer starts full of NaN: whatever the step neither writes nor zeroes shows up."""
+
+    def __init__(self, module):
+        self.module = module
+        self.params_with_grad = [p for p in module.parameters() if p.requires_grad]
+        total = sum(p.numel() for p in self.params_with_grad)
+        self.grad_data = torch.full((total + 7,), float("nan"))
+        index, start = {}, 0
+        for p in self.params_with_grad:
+            index[p] = (start, start + p.numel(), 0)
+            p.main_grad = self.grad_data[start:start + p.numel()].view_as(p)
+            p.grad_added_to_main_grad = False
+            p.register_post_accumulate_grad_hook(self._hook)
+            start += p.numel()
+        self.buffers = [type("Buffer", (), dict(param_index_map=index, grad_data=self.grad_data))]
+        self.expert_parallel_buffers, self.bucket_groups, self.expert_parallel_bucket_groups = [], [], []
+        self.hook_adds = []
+
+    def _hook(self, p):  # mcore's DistributedDataParallel._make_backward_post_hook
+        if not p.grad_added_to_main_grad or getattr(p, "zero_out_wgrad", False):
+            p.main_grad.add_(p.grad)
+            self.hook_adds.append(p)
+        p.grad = None
+
+
+def _grads_into_main_grad_worker(name):
+    """A Megatron model built from HF weights twice: plain autograd, and as the GPU engine trains with
+    gradient_accumulation_fusion: linears writing their first weight gradient of a step into a buffer
+    that was not zeroed (engine/grad_buffers.py), the word embedding's lookup adding its rows into
+    main_grad (layers/embedding.py). Two steps of two micro-batches, TP = 1 or 2."""
+    from megatron_plugin import MegatronLMPlugin
+    from megatron_plugin.engine.distributed import initialize
+    from megatron_plugin.engine.gpu import transformer_layers
+    from megatron_plugin.engine.grad_buffers import GradBufferReset, written_first_by_gemm
+    from megatron_plugin.models.modeling import MegatronModel
+    from tests.models import tiny_gpt2, tiny_llama
+
+    plugin = MegatronLMPlugin(tp_degree=int(os.environ["WORLD_SIZE"]))
+    hf = tiny_gpt2() if name == "gpt2" else tiny_llama(name)
+    initialize(plugin, hf.config)
+    eager, fused = (MegatronModel.from_hf(hf, plugin) for _ in range(2))
+    module = fused.module
+    module.config.gradient_accumulation_fusion = True  # one config object for the whole model
+    for m in module.modules():
+        if hasattr(m, "gradient_accumulation_fusion"):
+            m.gradient_accumulation_fusion = True
+    # the linears' fused weight gradient runs as ops inside compiled code on CPU (mcore's eager one
+    # allocates its placeholder on CUDA)
+    for m in [*transformer_layers(module), module.output_layer]:
+        m.compile(backend="aot_eager")
+    ddp = _BufferedParams(module)
+    reset = GradBufferReset(ddp)
+    embedding = module.embedding.word_embeddings.weight
+    res = {"tied": module.share_embeddings_and_output_weights, "worst_grad_rel": 0.0, "written_first": 0,
+           "gaps_zeroed": True, "embedding_added_by_hook": False}
+    g = torch.Generator().manual_seed(3)
+    for step in range(2):
+        reset.reset()
+        res["gaps_zeroed"] &= all(bool((gap == 0).all()) for gap in reset.gaps)
+        res["written_first"] = len(reset.marked)
+        eager.module.zero_grad(set_to_none=True)
+        for _ in range(2):
+            ids = torch.randint(0, hf.config.vocab_size, (2, 10), generator=g)
+            labels = torch.roll(ids, -1, dims=1)
+            for model in (eager, fused):
+                model(ids, labels=labels).mean().backward()
+        reset.zero_unwritten()
+        res["embedding_added_by_hook"] |= any(p is embedding for p in ddp.hook_adds)
+        for (_, p), (_, q) in zip(eager.module.named_parameters(), module.named_parameters()):
+            err = ((q.main_grad - p.grad).abs().max() / p.grad.abs().max().clamp_min(1e-12)).item()
+            res["worst_grad_rel"] = max(res["worst_grad_rel"], err if err == err else float("inf"))  # NaN
+    res["expected_written_first"] = len(written_first_by_gemm(module))
+    res["padding"] = ddp.grad_data[-7:].tolist()
+    return res
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "llama_tied_linear"])
+def test_gradients_written_into_unzeroed_buffers(name, world_size):
+    """The main_grads equal autograd's gradients, though the buffer started each step as NaN except where
+    the engine zeroes it; the embedding's gradient never passes through DDP's hook (tied or not)."""
+    for res in run_on_ranks(_grads_into_main_grad_worker, world_size, name):
+        assert res["tied"] == (name != "llama"), res
+        # qkv, proj, fc1, fc2 of 2 layers, the output layer (its own weight, or the tied embedding)
+        assert res["written_first"] == res["expected_written_first"] == 9, res
+        assert res["gaps_zeroed"] and res["padding"] == [0.0] * 7, res
+        assert res["worst_grad_rel"] < 1e-4, res
+        assert not res["embedding_added_by_hook"], res

@@ -23,6 +23,7 @@ from megatron.core.transformer.module import Float16Module
 from .cpu import MegatronEngine, _average_logs
 from ..errors import MegatronPluginConfigError
 from . import device_clip, foreach_ops
+from .grad_buffers import GradBufferReset
 from .optimizer import check_optimizer, use_fused_adam
 from .scheduler import build_scheduler
 
@@ -105,7 +106,9 @@ class MegatronCoreEngine(MegatronEngine):
         config.no_sync_func = sync[0] if len(sync) == 1 else sync
         grad_sync = [m.start_grad_sync for m in wrapped]
         config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
-        config.finalize_model_grads_func = finalize_model_grads
+        # with the fused weight gradient, the buffers are zeroed only where no GEMM writes first
+        self._grad_resets = [GradBufferReset(m) for m in wrapped] if config.gradient_accumulation_fusion else []
+        config.finalize_model_grads_func = self._finalize_model_grads
         config.grad_scale_func = optimizer.scale_loss
         super().__init__(chunks, optimizer, scheduler, plugin, train_step, device)
         self.wrapped = torch.nn.ModuleList(wrapped)
@@ -145,9 +148,17 @@ class MegatronCoreEngine(MegatronEngine):
         # with pipelining a stage that raised after its forward would leave its peers waiting in p2p
         return parallel_state.get_pipeline_model_parallel_world_size() == 1
 
+    def _finalize_model_grads(self, *args, **kwargs):
+        for r in self._grad_resets:
+            r.zero_unwritten()
+        return finalize_model_grads(*args, **kwargs)
+
     def _train_step(self, micro_batches):
-        for m in self.wrapped:
-            m.zero_grad_buffer()
+        for r in self._grad_resets:
+            r.reset()
+        if not self._grad_resets:
+            for m in self.wrapped:
+                m.zero_grad_buffer()
         self.optimizer.zero_grad()
         collected = self._run_schedule(micro_batches, forward_only=False)
         if self._clip_on_device:

@@ -20,6 +20,7 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from ..errors import MegatronPluginConfigError
 from ..layers.comm import gather_tensor_parallel_last_dim
+from ..layers.embedding import use_our_word_embeddings
 from ..layers.masks import padding_mask
 from ..layers.norm import Norm
 from ..layers.spec import block_spec
@@ -164,6 +165,7 @@ class MegatronBert(HFParityMixin, BertModel):
                 del self.lm_head, self.output_layer
             if variant == "base":
                 self.pooler = Pooler(config.hidden_size, config.init_method, config, config.sequence_parallel)
+        use_our_word_embeddings(self, self.share_embeddings_and_output_weights and self.post_process)
 
     def _sanity_check_attention_and_get_attn_mask_dimension(self) -> str:
         # mcore asks TE's version whenever the core attention is not its own; ours takes [b, 1, 1, s]

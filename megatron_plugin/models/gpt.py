@@ -13,7 +13,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..errors import MegatronPluginConfigError
 from .common import HFParityMixin, use_our_output_layer
+from ..layers.embedding import use_our_word_embeddings
 from ..layers.masks import add_window
+from ..layers import rope
 from ..layers.rope import RotaryEmbedding
 from ..plugin import MegatronLMPlugin
 from ..layers.spec import block_spec
@@ -44,6 +46,7 @@ class MegatronGPT(HFParityMixin, GPTModel):
         self.last_position_logits = False  # generation needs the next-token logits only
         if self.post_process:
             use_our_output_layer(self.output_layer)
+        use_our_word_embeddings(self, self.share_embeddings_and_output_weights and self.post_process and lm_head)
 
     def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
         attention_mask = add_window(attention_mask, position_ids.shape[1], self.sliding_window, position_ids.device)
@@ -110,6 +113,8 @@ def build_transformer_config(
     wgrad_fusion = on_gpu and bool(plugin.gradient_accumulation_fusion)  # prepare resolves None
     if wgrad_fusion:
         wgrad.install()
+    if family.rotary:
+        rope.install()
     fields.update(
         tensor_model_parallel_size=plugin.tp_degree,
         pipeline_model_parallel_size=plugin.pp_degree,
@@ -125,7 +130,8 @@ def build_transformer_config(
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=wgrad_fusion,
         persist_layer_norm=False,
-        apply_rope_fusion=False,
+        # rotary models hand their layers cos and sin, applied through mcore's fused-rope slot (layers/rope.py)
+        apply_rope_fusion=family.rotary,
         bias_dropout_fusion=on_gpu,
         recompute_granularity=plugin.recompute_granularity,
         pipeline_dtype=params_dtype,

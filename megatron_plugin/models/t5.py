@@ -24,6 +24,7 @@ from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 
 from ..errors import MegatronPluginConfigError
 from ..layers.comm import gather_tensor_parallel_last_dim, scatter_to_tensor_parallel_dim
+from ..layers.embedding import use_our_word_embeddings
 from ..layers.linear import ColumnParallelLinear
 from ..layers.masks import attention_mask_4d, padding_mask
 from ..layers.spec import block_spec
@@ -161,6 +162,7 @@ class MegatronT5(HFParityMixin, T5Model):
                     skip_weight_param_allocation=self.pre_process and self.share_embeddings_and_output_weights,
                 )
                 self.setup_embeddings_and_output_layer()
+        use_our_word_embeddings(self, self.share_embeddings_and_output_weights and self.post_process)
 
     def _stack_dropout(self, hidden):
         # HF drops out after each stack's final norm; mcore's block has no dropout there

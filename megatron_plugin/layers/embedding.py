@@ -1,0 +1,83 @@
+"""The word embedding with its lookup's weight gradient accumulated straight into main_grad.
+
+Under mcore's DDP the lookup's backward builds a dense [vocab, hidden] bf16 gradient (zeros, then the
+token rows added), autograd adds it to the tied output layer's placeholder (itself zeros: mcore's
+`zero_out_wgrad`), and DDP's hook adds the sum into the fp32 main_grad. At Llama-3's vocabulary of
+128,256 that is about 5 GB of memory traffic per micro-batch for a gradient with one row per token.
+Here the backward adds the token rows into main_grad (`index_put_` with accumulate: sorted, so the sum
+is deterministic) and the hook has nothing left to add, as for the linears' fused weight gradients.
+
+Only with `gradient_accumulation_fusion`: the tied output layer then puts its own gradient into
+main_grad too, and marks the weight done (`grad_added_to_main_grad`), which tells the hook to skip it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel import VocabParallelEmbedding as _McoreVocabParallelEmbedding
+from megatron.core.tensor_parallel.mappings import (
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+
+class _LookupIntoMainGrad(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, ids, weight, placeholder: bool):
+        ctx.save_for_backward(ids)
+        ctx.weight, ctx.placeholder = weight, placeholder
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (ids,) = ctx.saved_tensors
+        weight = ctx.weight
+        main_grad = weight.main_grad
+        main_grad.index_put_((ids.reshape(-1),), grad.reshape(-1, grad.shape[-1]).to(main_grad.dtype), accumulate=True)
+        weight.grad_added_to_main_grad = True
+        # DDP's hook needs a gradient to fire (and mark the bucket ready); a tied output layer's placeholder
+        # reaches the same parameter, so a second one would only cost an add of two [vocab, hidden] tensors
+        return None, torch.empty_like(weight) if ctx.placeholder else None, None
+
+
+class VocabParallelEmbedding(_McoreVocabParallelEmbedding):
+    """mcore's vocab-parallel embedding whose lookup gradient goes into main_grad (module docstring).
+    The model sets `model_config` (its TransformerConfig) and `output_layer_shares_weight` (the output
+    layer multiplies by this same weight in every forward that trains: a tied LM head on this stage)."""
+
+    model_config = None
+    output_layer_shares_weight = False
+
+    def _into_main_grad(self) -> bool:
+        w = self.weight
+        return (self.model_config is not None and self.model_config.gradient_accumulation_fusion
+                and torch.is_grad_enabled() and w.requires_grad and hasattr(w, "main_grad"))
+
+    def forward(self, input_):
+        if not self._into_main_grad():
+            return super().forward(input_)
+        tp = self.tp_group.size()
+        ids = input_
+        if tp > 1:  # as mcore: ids of other ranks' rows look up row 0, whose output is then zeroed
+            outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
+            ids = (input_ - self.vocab_start_index).masked_fill_(outside, 0)
+        if self.output_layer_shares_weight:
+            # the output layer's placeholder need not be zeros: nothing adds it (module docstring)
+            self.weight.zero_out_wgrad = False
+        out = _LookupIntoMainGrad.apply(ids, self.weight, not self.output_layer_shares_weight)
+        if tp > 1:
+            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.reduce_scatter_embeddings:
+            return reduce_scatter_to_sequence_parallel_region(out.transpose(0, 1).contiguous(), group=self.tp_group)
+        return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
+
+
+def use_our_word_embeddings(model, output_layer_shares_weight: bool) -> None:
+    """Swap the class of a model's word embedding in place (mcore builds it outside the layer spec)."""
+    if not getattr(model, "pre_process", False):
+        return
+    emb = model.embedding.word_embeddings
+    emb.__class__ = VocabParallelEmbedding
+    emb.model_config = model.config
+    emb.output_layer_shares_weight = output_layer_shares_weight
