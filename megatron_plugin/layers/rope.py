@@ -6,7 +6,7 @@ sequences, decoding with a cache), so we compute the angles per token. The inver
 from transformers' own rope functions, so every scaling type we accept matches HF bit for bit.
 
 The cosines and sines are computed once per forward, here, and handed to every layer ([s, b, 1, 2 * dim]:
-cos, then sin). mcore's unfused rope takes the angles and computes cos and sin inside each layer, which a
+cos, then sin with its first half negated). mcore's unfused rope takes the angles and computes cos and sin inside each layer, which a
 compiled layer recomputes for every element of every head: at Llama-3.2-1B the rope kernels took 7.5 ms
 of a 265 ms step, about three times their memory traffic. mcore's attention applies them through its
 fused-rope slot (`apply_rope_fusion`, filled with TE's kernel when TE is installed), which `install`
@@ -67,7 +67,7 @@ def inverse_frequencies(hf_config) -> torch.Tensor:
 
 class RotaryEmbedding(torch.nn.Module):
     """position_ids [b, s] -> cos and sin of the rotary angles, [s, b, 1, 2 * head_dim] (fp32), for
-    mcore's attention through `apply_cos_sin`."""
+    mcore's attention through `apply_cos_sin`: [cos, cos, -sin, sin], each head_dim / 2 wide."""
 
     def __init__(self, hf_config, device=None):
         super().__init__()
@@ -78,17 +78,21 @@ class RotaryEmbedding(torch.nn.Module):
         if self.inv_freq.device != position_ids.device:
             self.inv_freq = self.inv_freq.to(position_ids.device)
         freqs = position_ids.t()[..., None].float() * self.inv_freq  # [s, b, dim/2]
-        angles = torch.cat((freqs, freqs), dim=-1)
-        return torch.cat((angles.cos(), angles.sin()), dim=-1)[:, :, None, :]
+        cos, sin = freqs.cos(), freqs.sin()
+        # the sine's first half negated: rotating half the head is then a roll (see apply_cos_sin)
+        return torch.cat((cos, cos, -sin, sin), dim=-1)[:, :, None, :]
 
 
 def apply_cos_sin(t: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     """t [s, b, heads, dim] rotated by `RotaryEmbedding`'s [s, b, 1, 2 * dim]: what mcore's unfused
-    `_apply_rotary_pos_emb_bshd` computes from the angles (non-interleaved, mscale 1), bit for bit."""
+    `_apply_rotary_pos_emb_bshd` computes from the angles (non-interleaved, mscale 1), bit for bit.
+
+    mcore rotates half the head as cat(-x2, x1) * sin; here that is roll(t) * [-sin, sin]: the same
+    products, but each element reads one other element instead of two masked halves, which keeps the
+    compiled kernels (forward and backward) to plain loads."""
     d = t.shape[-1]
-    cos, sin = cos_sin[..., :d].to(t.dtype), cos_sin[..., d:].to(t.dtype)
-    x1, x2 = torch.chunk(t, 2, dim=-1)
-    return t * cos + torch.cat((-x2, x1), dim=-1) * sin
+    cos, signed_sin = cos_sin[..., :d].to(t.dtype), cos_sin[..., d:].to(t.dtype)
+    return t * cos + t.roll(d // 2, dims=-1) * signed_sin
 
 
 def install() -> None:
