@@ -13,7 +13,7 @@ from tests.spawn import run_on_ranks
 
 def test_each_rank_reads_only_its_part_bit_exact():
     """`read_shard` (slices read lazily) equals sharding the whole converted tensor, for every rule of
-    every family and TP = 1, 2, 4."""
+    every family and TP = 1, 2, 4, and keeps the weights' device."""
     from megatron_plugin.engine.hf_io import TensorSlice
     from megatron_plugin.models import get_family
     from megatron_plugin.models.convert import model_dims
@@ -32,6 +32,10 @@ def test_each_rank_reads_only_its_part_bit_exact():
                 for r in range(tp):
                     got = read_shard(lambda n: TensorSlice(sd[n]), rule, names, dims, tp, r)
                     assert torch.equal(got, shard(full, rule, tp, r)), (type(m).__name__, tp, r, mcore)
+                    # weights elsewhere than on the CPU (an HF model already on the GPU) stay there, with
+                    # the padding rows too
+                    elsewhere = read_shard(lambda n: TensorSlice(sd[n].to("meta")), rule, names, dims, tp, r)
+                    assert elsewhere.is_meta and elsewhere.shape == got.shape, (type(m).__name__, tp, r, mcore)
                     checked += 1
     assert checked > 300
 

@@ -114,32 +114,43 @@ class SDPAttention(MegatronModule):
 
 
 class SelfAttention(McoreSelfAttention):
-    """mcore's SelfAttention; with fewer key/value heads than TP ranks (e.g. 2 KV heads at TP=4) each
-    rank gathers the fused QKV output and keeps its group, as mcore does, but with a gather that also
-    runs on CPU (mcore's allocates on `torch.cuda.current_device()`)."""
+    """mcore's SelfAttention, with its fused QKV output split on a head axis: [s, b, groups, heads per group
+    + 2, dim], query heads, then key, then value. mcore splits [s, b, groups, (heads per group + 2) * dim]
+    and reshapes the query part; the values are the same, but in a compiled layer the gradient of that
+    reshape came out as one integer division and remainder after another for every element (the kernel
+    that assembles the QKV gradient ran at a tenth of memory speed).
+
+    With fewer key/value heads than TP ranks (e.g. 2 KV heads at TP=4) each rank gathers the fused QKV
+    output and keeps its group, as mcore does, but with a gather that also runs on CPU (mcore's allocates
+    on `torch.cuda.current_device()`)."""
 
     def get_query_key_value_tensors(self, hidden_states, key_value_states=None, output_gate=False, split_qkv=True):
-        groups = self.config.num_query_groups
-        if groups >= self.world_size or output_gate or not split_qkv:
+        if output_gate or not split_qkv:
             return super().get_query_key_value_tensors(hidden_states, key_value_states, output_gate, split_qkv)
         mixed_qkv, _ = self.linear_qkv(hidden_states)
-        # the fused rows are [q of the group's heads, k, v] per group: gather them all, keep this rank's group
-        mixed_qkv = all_gather_last_dim(mixed_qkv, self.tp_group)
-        ranks_per_group = self.world_size // groups
-        rank = dist.get_rank(self.tp_group)
-        size = mixed_qkv.size(-1) // groups
-        group = rank // ranks_per_group
-        mixed_qkv = mixed_qkv[..., group * size:(group + 1) * size]
         d = self.hidden_size_per_attention_head
-        per_group = self.config.num_attention_heads // groups
-        query, key, value = torch.split(mixed_qkv, [per_group * d, d, d], dim=-1)
-        query = query.reshape(*query.shape[:2], per_group, d)
-        # of the group's query heads, this rank's share
-        share = per_group // ranks_per_group
-        start = (rank % ranks_per_group) * share
-        query = query[:, :, start:start + share]
-        key = key.reshape(*key.shape[:2], 1, d)
-        value = value.reshape(*value.shape[:2], 1, d)
+        groups = self.config.num_query_groups
+        if groups < self.world_size:
+            # the fused rows are [q of the group's heads, k, v] per group: gather them all, keep this rank's group
+            mixed_qkv = all_gather_last_dim(mixed_qkv, self.tp_group)
+            ranks_per_group = self.world_size // groups
+            rank = dist.get_rank(self.tp_group)
+            size = mixed_qkv.size(-1) // groups
+            group = rank // ranks_per_group
+            mixed_qkv = mixed_qkv[..., group * size:(group + 1) * size]
+            local_groups, per_group = 1, self.config.num_attention_heads // groups
+        else:
+            local_groups = self.num_query_groups_per_partition
+            per_group = self.num_attention_heads_per_partition // local_groups
+        s, b = mixed_qkv.shape[:2]
+        heads = mixed_qkv.view(s, b, local_groups, per_group + 2, d)
+        query = heads[:, :, :, :per_group].reshape(s, b, local_groups * per_group, d)
+        key, value = heads[:, :, :, per_group], heads[:, :, :, per_group + 1]
+        if groups < self.world_size:
+            # of the group's query heads, this rank's share
+            share = per_group // ranks_per_group
+            start = (rank % ranks_per_group) * share
+            query = query[:, :, start:start + share]
         if self.q_layernorm is not None:
             query = self.q_layernorm(query)
         if self.k_layernorm is not None:

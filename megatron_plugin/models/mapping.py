@@ -233,11 +233,11 @@ def read_shard(get_slice: Callable[[str], object], rule: Rule, hf_names: Sequenc
     if t == "vocab" and rule.tp_dim == 0:
         per = dims.padded_vocab // p
         lo, hi = r * per, (r + 1) * per
-        real = views[0][lo:min(hi, dims.vocab)] if lo < dims.vocab else None
-        shape = views[0].get_shape()
-        pad_rows = hi - max(lo, min(hi, dims.vocab))
-        pad = torch.zeros((pad_rows, *shape[1:]), dtype=real.dtype if real is not None else torch.float32)
-        return (pad if real is None else torch.cat([real, pad.to(real.dtype)], 0)).contiguous()
+        # a rank past the true vocabulary holds padding only; the padding is made where the weights are
+        # (an HF model already on the GPU gives CUDA tensors)
+        real = views[0][lo:min(hi, dims.vocab)] if lo < dims.vocab else views[0][0:0]
+        pad = real.new_zeros((hi - lo - real.shape[0], *real.shape[1:]))
+        return torch.cat([real, pad], 0).contiguous()
     if t == "conv1d":  # HF [in, out]; Megatron [out, in]
         n = views[0].get_shape()[1 - rule.tp_dim]
         return _rows(views[0], r * n // p, (r + 1) * n // p, 1 - rule.tp_dim).t().contiguous()
