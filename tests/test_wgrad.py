@@ -227,6 +227,7 @@ class _BufferedParams:
 
     def __init__(self, module):
         self.module = module
+        self.config = module.config
         self.params_with_grad = [p for p in module.parameters() if p.requires_grad]
         total = sum(p.numel() for p in self.params_with_grad)
         self.grad_data = torch.full((total + 7,), float("nan"))
@@ -248,11 +249,12 @@ class _BufferedParams:
         p.grad = None
 
 
-def _grads_into_main_grad_worker(name):
+def _grads_into_main_grad_worker(name, fused=True):
     """A Megatron model built from HF weights twice: plain autograd, and as the GPU engine trains with
     gradient_accumulation_fusion: linears writing their first weight gradient of a step into a buffer
     that was not zeroed (engine/grad_buffers.py), the word embedding's lookup adding its rows into
-    main_grad (layers/embedding.py). Two steps of two micro-batches, TP = 1 or 2."""
+    main_grad (layers/embedding.py). Without the fusion (`fused=False`) every gradient goes through DDP's
+    hook into a buffer zeroed whole. Two steps of two micro-batches, TP = 1 or 2."""
     from megatron_plugin import MegatronLMPlugin
     from megatron_plugin.engine.distributed import initialize
     from megatron_plugin.engine.gpu import transformer_layers
@@ -263,16 +265,17 @@ def _grads_into_main_grad_worker(name):
     plugin = MegatronLMPlugin(tp_degree=int(os.environ["WORLD_SIZE"]))
     hf = tiny_gpt2() if name == "gpt2" else tiny_llama(name)
     initialize(plugin, hf.config)
-    eager, fused = (MegatronModel.from_hf(hf, plugin) for _ in range(2))
-    module = fused.module
-    module.config.gradient_accumulation_fusion = True  # one config object for the whole model
-    for m in module.modules():
-        if hasattr(m, "gradient_accumulation_fusion"):
-            m.gradient_accumulation_fusion = True
-    # the linears' fused weight gradient runs as ops inside compiled code on CPU (mcore's eager one
-    # allocates its placeholder on CUDA)
-    for m in [*transformer_layers(module), module.output_layer]:
-        m.compile(backend="aot_eager")
+    eager, model = (MegatronModel.from_hf(hf, plugin) for _ in range(2))
+    module = model.module
+    if fused:
+        module.config.gradient_accumulation_fusion = True  # one config object for the whole model
+        for m in module.modules():
+            if hasattr(m, "gradient_accumulation_fusion"):
+                m.gradient_accumulation_fusion = True
+        # the linears' fused weight gradient runs as ops inside compiled code on CPU (mcore's eager one
+        # allocates its placeholder on CUDA)
+        for m in [*transformer_layers(module), module.output_layer]:
+            m.compile(backend="aot_eager")
     ddp = _BufferedParams(module)
     reset = GradBufferReset(ddp)
     embedding = module.embedding.word_embeddings.weight
@@ -287,8 +290,8 @@ def _grads_into_main_grad_worker(name):
         for _ in range(2):
             ids = torch.randint(0, hf.config.vocab_size, (2, 10), generator=g)
             labels = torch.roll(ids, -1, dims=1)
-            for model in (eager, fused):
-                model(ids, labels=labels).mean().backward()
+            for m in (eager, model):
+                m(ids, labels=labels).mean().backward()
         reset.zero_unwritten()
         res["embedding_added_by_hook"] |= any(p is embedding for p in ddp.hook_adds)
         for (_, p), (_, q) in zip(eager.module.named_parameters(), module.named_parameters()):
@@ -311,3 +314,14 @@ def test_gradients_written_into_unzeroed_buffers(name, world_size):
         assert res["gaps_zeroed"] and res["padding"] == [0.0] * 7, res
         assert res["worst_grad_rel"] < 1e-4, res
         assert not res["embedding_added_by_hook"], res
+
+
+@pytest.mark.parametrize("name", ["gpt2", "llama"])
+def test_without_fusion_the_whole_buffer_is_zeroed(name):
+    """The same reset without gradient_accumulation_fusion marks nothing, zeroes every buffer, and the
+    hook-added gradients equal autograd's."""
+    for res in run_on_ranks(_grads_into_main_grad_worker, 1, name, False):
+        assert res["written_first"] == res["expected_written_first"] == 0, res
+        assert res["gaps_zeroed"] and res["padding"] == [0.0] * 7, res
+        assert res["worst_grad_rel"] < 1e-4, res
+        assert res["embedding_added_by_hook"], res

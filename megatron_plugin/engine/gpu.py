@@ -107,7 +107,7 @@ class MegatronCoreEngine(MegatronEngine):
         grad_sync = [m.start_grad_sync for m in wrapped]
         config.grad_sync_func = grad_sync[0] if len(grad_sync) == 1 else grad_sync
         # with the fused weight gradient, the buffers are zeroed only where no GEMM writes first
-        self._grad_resets = [GradBufferReset(m) for m in wrapped] if config.gradient_accumulation_fusion else []
+        self._grad_resets = [GradBufferReset(m) for m in wrapped]
         config.finalize_model_grads_func = self._finalize_model_grads
         config.grad_scale_func = optimizer.scale_loss
         super().__init__(chunks, optimizer, scheduler, plugin, train_step, device)
@@ -156,9 +156,6 @@ class MegatronCoreEngine(MegatronEngine):
     def _train_step(self, micro_batches):
         for r in self._grad_resets:
             r.reset()
-        if not self._grad_resets:
-            for m in self.wrapped:
-                m.zero_grad_buffer()
         self.optimizer.zero_grad()
         collected = self._run_schedule(micro_batches, forward_only=False)
         if self._clip_on_device:

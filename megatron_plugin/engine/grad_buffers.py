@@ -21,11 +21,13 @@ from ..layers.embedding import VocabParallelEmbedding
 def written_first_by_gemm(module: torch.nn.Module) -> Set[torch.nn.Parameter]:
     """The trainable weights whose every step starts with a fused weight-gradient GEMM: the parallel
     linears' own weights, and a word embedding tied to an output layer on the same stage (the output
-    layer's backward runs before the lookup's, which only adds rows)."""
+    layer's backward runs before the lookup's, which only adds rows). None without
+    gradient_accumulation_fusion: then every gradient is added by DDP's hook into a zeroed buffer."""
     found = set()
     for m in module.modules():
         if isinstance(m, VocabParallelEmbedding):
-            if m.output_layer_shares_weight and m.weight.requires_grad:
+            fused = m.model_config is not None and m.model_config.gradient_accumulation_fusion
+            if fused and m.output_layer_shares_weight and m.weight.requires_grad:
                 found.add(m.weight)
         elif getattr(m, "gradient_accumulation_fusion", False):
             w = getattr(m, "weight", None)
@@ -35,8 +37,8 @@ def written_first_by_gemm(module: torch.nn.Module) -> Set[torch.nn.Parameter]:
 
 
 class GradBufferReset:
-    """`DistributedDataParallel.zero_grad_buffer` for a model trained with gradient_accumulation_fusion,
-    zeroing only the parts of the buffers that no GEMM writes first (module docstring)."""
+    """`DistributedDataParallel.zero_grad_buffer`, zeroing only the parts of the buffers that no GEMM
+    writes first (module docstring); without gradient_accumulation_fusion that is all of them."""
 
     def __init__(self, ddp):
         self.ddp = ddp
@@ -56,8 +58,9 @@ class GradBufferReset:
 
     def reset(self) -> None:
         ddp = self.ddp
-        for p in ddp.params_with_grad:
-            p.grad_added_to_main_grad = False
+        if getattr(ddp.config, "cuda_graph_impl", "none") != "transformer_engine":  # as zero_grad_buffer
+            for p in ddp.params_with_grad:
+                p.grad_added_to_main_grad = False
         for g in self.marked:
             g.write_first = True
         if self.gaps:
