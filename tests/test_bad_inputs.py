@@ -12,7 +12,7 @@ from torch.utils.data import DataLoader
 
 from megatron_plugin import MegatronLMPlugin, MegatronPluginConfigError
 from tests.launch import ROOT
-from tests.models import tiny_gpt2
+from tests.models import tiny_gpt2, tiny_llama
 from tests.spawn import run_on_ranks
 from tests.training import optimizer_for, token_dataset
 
@@ -171,6 +171,8 @@ def _prepare_errors():
 
     expect("base_model", lambda: _prepare(model=tiny(lm_head=False)))
     expect("contradicting_args", lambda: _prepare(plugin=MegatronLMPlugin(other_megatron_args={"num_layers": 4})))
+    for key, value in (("apply_rope_fusion", False), ("rotary_interleaved", True)):  # the rope our tables need
+        expect(key, lambda: _prepare(plugin=MegatronLMPlugin(other_megatron_args={key: value}), model=tiny_llama()))
     expect("step_as_instance", lambda: _prepare(plugin=MegatronLMPlugin(custom_train_step_class=object())))
 
     def missing_from_optimizer():
@@ -198,6 +200,8 @@ def test_prepare_refuses_before_distributed_work():
     expected = {
         "base_model": ("model", "no head", "GPT2LMHeadModel"),
         "contradicting_args": ("other_megatron_args['num_layers']", "gives 2"),
+        "apply_rope_fusion": ("other_megatron_args['apply_rope_fusion']", "gives True", "remove the key"),
+        "rotary_interleaved": ("other_megatron_args['rotary_interleaved']", "gives False", "remove the key"),
         "step_as_instance": ("custom_train_step_class", "subclass"),
         "trainable_not_in_optimizer": ("optimizer", "transformer.h.1.mlp.c_fc.weight", "requires_grad_(False)"),
         "warmup": ("warmup_num_steps", "shorter than the 4"),

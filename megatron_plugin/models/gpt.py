@@ -130,8 +130,6 @@ def build_transformer_config(
         masked_softmax_fusion=False,
         gradient_accumulation_fusion=wgrad_fusion,
         persist_layer_norm=False,
-        # rotary models hand their layers cos and sin, applied through mcore's fused-rope slot (layers/rope.py)
-        apply_rope_fusion=family.rotary,
         bias_dropout_fusion=on_gpu,
         recompute_granularity=plugin.recompute_granularity,
         pipeline_dtype=params_dtype,

@@ -90,6 +90,10 @@ def transformer_config(c) -> dict:
         activation_func=F.silu,
         gated_linear_unit=True,
         qk_layernorm=TRAITS[c.model_type]["qk_norm"],
+        # HF's rope (halves rotated, not interleaved), from the model's cos/sin tables through mcore's
+        # fused-rope slot (layers/rope.py); an override of either would not carry HF's weights right
+        apply_rope_fusion=True,
+        rotary_interleaved=False,
         hidden_dropout=0.0,
         attention_dropout=getattr(c, "attention_dropout", 0.0),
         init_method_std=c.initializer_range,
