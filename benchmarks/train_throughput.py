@@ -104,7 +104,7 @@ def build_step(args):
     torch.manual_seed(0)
     auto = {"bert": AutoModelForMaskedLM, "t5": AutoModelForSeq2SeqLM}.get(cfg.model_type, AutoModelForCausalLM)
     with torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))):
-        model = auto.from_config(cfg) if cfg.model_type == "t5" else auto.from_config(cfg, attn_implementation="sdpa")
+        model = auto.from_config(cfg, attn_implementation="sdpa")
     hf = args.mode.startswith("hf")
     # the strong HF baseline steps a fused AdamW; the plugin builds its own optimizer from this one
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **({"fused": True} if hf else {}))

@@ -93,6 +93,23 @@ def test_bert_parity_under_tensor_parallel(world_size):
                 assert res["grad_names"] and res["grad_max_rel"] < 1e-4, where
 
 
+def _sdpa_mask_strides(forward):
+    """The last-dimension strides of the masks (T5: position biases) SDPA gets during `forward`: one that is
+    not 1 sends SDPA to its math path (on GPU fp32 GEMMs and a materialized softmax, 2x slower)."""
+    from unittest import mock
+
+    real, strides = torch.nn.functional.scaled_dot_product_attention, set()
+
+    def spy(*args, attn_mask=None, **kwargs):
+        if attn_mask is not None:
+            strides.add(attn_mask.stride(-1))
+        return real(*args, attn_mask=attn_mask, **kwargs)
+
+    with torch.no_grad(), mock.patch.object(torch.nn.functional, "scaled_dot_product_attention", spy):
+        forward()
+    return strides
+
+
 def _t5_worker():
     from megatron_plugin import MegatronLMPlugin
     from megatron_plugin.engine.distributed import initialize
@@ -113,7 +130,8 @@ def _t5_worker():
                 ref = hf(input_ids=ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask)
                 got = model(ids, attention_mask=mask, decoder_input_ids=dec, decoder_attention_mask=dec_mask)
             ref = ref.logits if lm_head else ref.last_hidden_state
-            res = {"fwd": (got - ref).abs()[dec_mask.bool()].max().item(), "roundtrip": _roundtrip(model, hf)}
+            res = {"fwd": (got - ref).abs()[dec_mask.bool()].max().item(), "roundtrip": _roundtrip(model, hf),
+                   "mask_strides": _sdpa_mask_strides(lambda: model(ids, decoder_input_ids=dec))}
             if lm_head:
                 labels = torch.randint(2, hf.config.vocab_size, (3, 6), generator=g)
                 labels[1, 4:] = -100
@@ -138,5 +156,6 @@ def test_t5_parity_under_tensor_parallel(world_size):
         for key, res in per_rank.items():
             where = (rank, world_size, key, res)
             assert res["fwd"] < 1e-4 and res["roundtrip"], where
+            assert res["mask_strides"] == {1}, where
             if key[1]:
                 assert res["grad_names"] and res["grad_max_rel"] < 1e-4, where
