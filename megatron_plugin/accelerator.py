@@ -255,6 +255,45 @@ class Accelerator(accelerate.Accelerator):
             self._schedulers.append(sched_wrapper)
         return out[0] if len(out) == 1 else tuple(out)
 
+    # -- synchronization ----------------------------------------------------------------------------
+    # accelerate's wait_for_everyone barriers only for the distributed types it lists, and MEGATRON_LM is not
+    # one of them: there it (and so main_process_first) did nothing, and every rank ran a "main process
+    # first" block at once (e.g. two ranks writing one tokenizer folder or datasets cache).
+    def wait_for_everyone(self):
+        if self._megatron is None:
+            return super().wait_for_everyone()
+        if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+            if torch.distributed.get_backend() == "nccl":
+                torch.distributed.barrier(device_ids=[self.local_process_index])
+            else:
+                torch.distributed.barrier()
+
+    @contextlib.contextmanager
+    def _goes_first(self, first: bool):
+        if not first:
+            self.wait_for_everyone()
+        yield
+        if first:
+            self.wait_for_everyone()
+
+    @contextlib.contextmanager
+    def main_process_first(self):
+        if self._megatron is None:
+            with super().main_process_first():
+                yield
+        else:
+            with self._goes_first(self.is_main_process):
+                yield
+
+    @contextlib.contextmanager
+    def local_main_process_first(self):
+        if self._megatron is None:
+            with super().local_main_process_first():
+                yield
+        else:
+            with self._goes_first(self.is_local_main_process):
+                yield
+
     # -- the engine does these inside model(**batch) -----------------------------------------------
     def backward(self, loss, **kwargs):
         if self._megatron is None:

@@ -1,5 +1,5 @@
 """megatron_plugin.Accelerator: bad input is refused before any process group exists; eval mode
-returns HF's loss and logits."""
+returns HF's loss and logits; main_process_first and wait_for_everyone order the ranks."""
 
 import torch
 from torch.utils.data import DataLoader
@@ -117,3 +117,35 @@ def test_compile_settings_follow_accelerate_dynamo_plugin():
     assert layer_compile_kwargs(MegatronLMPlugin(torch_compile=True), TorchDynamoPlugin(backend="no")) == {}
     got = layer_compile_kwargs(MegatronLMPlugin(), TorchDynamoPlugin(backend="inductor", mode="max-autotune"))
     assert got["backend"] == "inductor" and got["mode"] == "max-autotune", got
+
+
+def _ordering_worker(folder):
+    """Each rank notes what it finds on entering a main-process-first block and after a barrier, while the
+    main (last) rank writes a file late."""
+    import os
+    import time
+
+    from megatron_plugin import Accelerator, MegatronLMPlugin
+
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin())
+    first, after = os.path.join(folder, "first"), os.path.join(folder, "after")
+    with acc.main_process_first():
+        seen_first = os.path.exists(first)
+        if acc.is_main_process:
+            time.sleep(1.0)
+            open(first, "w").close()
+    if acc.is_main_process:
+        time.sleep(1.0)
+        open(after, "w").close()
+    acc.wait_for_everyone()
+    return acc.is_main_process, seen_first, os.path.exists(after)
+
+
+def test_main_process_first_and_wait_for_everyone_order_the_ranks(tmp_path):
+    """accelerate's wait_for_everyone does nothing under DistributedType.MEGATRON_LM (not in its list), so
+    main_process_first let every rank in at once; ours barriers."""
+    results = run_on_ranks(_ordering_worker, 2, str(tmp_path))
+    assert [r[0] for r in results] == [False, True]  # the last rank is the main one under Megatron
+    main, other = results[1], results[0]
+    assert main[1] is False and other[1] is True  # the other rank entered after the main one left
+    assert other[2] and main[2]  # nobody left the barrier before the main rank wrote
