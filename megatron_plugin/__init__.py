@@ -19,6 +19,7 @@ from .plugin import MegatronLMPlugin  # noqa: E402
 _EXPORTS = {
     "Accelerator": ".accelerator",
     "MegatronLMDummyScheduler": ".engine.scheduler",
+    "MegatronLMDummyDataLoader": ".data.indexed",
     "AbstractTrainStep": "train_steps",
     "GPTTrainStep": "train_steps",
     "BertTrainStep": "train_steps",

@@ -19,6 +19,7 @@ from accelerate.utils import DistributedType, DynamoBackend
 from torch.utils.data import DataLoader
 
 from .engine import checkpoint
+from .data.indexed import MegatronLMDummyDataLoader
 from .engine.data import check_dataloader, prepare_megatron_dataloader
 from .engine.distributed import initialize
 from .engine.cpu import MegatronEngine, megatron_args
@@ -141,6 +142,7 @@ class Accelerator(accelerate.Accelerator):
         schedulers = [a for a in args if not isinstance(a, (torch.nn.Module, torch.optim.Optimizer, DataLoader))
                       and (isinstance(a, MegatronLMDummyScheduler) or hasattr(a, "step"))]
         loaders = [a for a in args if isinstance(a, DataLoader)]
+        indexed = [a for a in args if isinstance(a, MegatronLMDummyDataLoader)]
         # Every check below runs before the first collective, so bad input fails on every rank alike.
         if len(models) > 1 or (models and self._engine is not None):
             raise MegatronPluginConfigError(
@@ -149,12 +151,25 @@ class Accelerator(accelerate.Accelerator):
             )
         if not models:
             raise MegatronPluginConfigError("prepare(model)", None, "pass the HF model to prepare with its dataloaders")
-        if not loaders:
+        if not loaders and not indexed:
             raise MegatronPluginConfigError(
                 "prepare(dataloaders)", None,
-                "pass the training and/or evaluation DataLoader to the same prepare call: Megatron needs the "
-                "micro-batch size to lay out the step",
+                "pass the training and/or evaluation DataLoader (or a MegatronLMDummyDataLoader) to the same prepare "
+                "call: Megatron needs the micro-batch size to lay out the step",
             )
+        if len({id(a) for a in indexed}) > 1 or len(indexed) > 3:
+            raise MegatronPluginConfigError(
+                "prepare(MegatronLMDummyDataLoader)", f"{len({id(a) for a in indexed})} loaders, passed {len(indexed)} times",
+                "pass one MegatronLMDummyDataLoader, once, twice or three times: it becomes the train, validation and "
+                "test iterators in that order",
+            )
+        if plugin.megatron_dataset_flag and not indexed:
+            raise MegatronPluginConfigError(
+                "megatron_dataset_flag", True,
+                "no MegatronLMDummyDataLoader was passed to prepare: pass it (the flag is set for you when you do), "
+                "or set megatron_dataset_flag=False for torch DataLoaders",
+            )
+        plugin.megatron_dataset_flag = bool(indexed)
         if not optimizers:
             raise MegatronPluginConfigError("prepare(optimizer)", None, "pass the optimizer to the same prepare call")
         if len(optimizers) > 1 or len(schedulers) > 1:
@@ -180,6 +195,8 @@ class Accelerator(accelerate.Accelerator):
         hf_model = models[0]
         family = check_model(plugin, hf_model.config)
         variant = family.variant_of(hf_model)
+        data_sizes = indexed[0].check_for(hf_model.config, family, plugin, schedulers[0] if schedulers else None,
+                                          len(indexed)) if indexed else None
         step_cls = plugin.custom_train_step_class
         if step_cls is None:
             if variant not in family.trainable_variants:
@@ -215,9 +232,12 @@ class Accelerator(accelerate.Accelerator):
             for name, param in chunk.module.named_parameters():
                 param.requires_grad_(flags[name])
         model = chunks[0]
-        micro = max(dl.batch_size for dl in loaders)
+        micro = max([dl.batch_size for dl in loaders] + [m.micro_batch_size for m in indexed])
         plugin.micro_batch_size = micro
         plugin.global_batch_size = micro * plugin.num_micro_batches * layout.dp_size
+        # collective: megatron-core writes the sample indices on rank 0 first, the others read them
+        iterators = indexed[0].build(data_sizes, plugin, layout, layout.device, len(indexed)) if indexed else []
+        self._megatron_iterators = list(iterators)
         step_args = megatron_args(plugin, model, micro, layout.dp_size)
         step = step_cls(step_args, **plugin.custom_train_step_kwargs)
         if self.device.type == "cuda":
@@ -241,6 +261,8 @@ class Accelerator(accelerate.Accelerator):
                 out.append(engine)
             elif isinstance(a, torch.optim.Optimizer):
                 out.append(opt_wrapper)
+            elif isinstance(a, MegatronLMDummyDataLoader):
+                out.append(iterators.pop(0))
             elif isinstance(a, DataLoader):
                 loader = prepare_megatron_dataloader(a, plugin, layout.dp_size, layout.dp_rank, layout.device, plugin.seed)
                 self._dataloaders.append(loader)
@@ -328,7 +350,11 @@ class Accelerator(accelerate.Accelerator):
         if self._megatron is None:
             return super().load_state(input_dir, **kwargs)
         self._engine._check_ready("load_state")
-        return checkpoint.load_state(input_dir, self._engine, self._custom_objects)
+        meta = checkpoint.load_state(input_dir, self._engine, self._custom_objects)
+        if getattr(self, "_megatron_iterators", None):
+            # Megatron-LM resumes its samples from iteration x global batch: the train iterator goes on there
+            self._megatron_iterators[0].seek(self._engine.iteration)
+        return meta
 
     def get_state_dict(self, model, unwrap=True):
         """The HF state dict of the whole model on every rank: gathered over TP ranks and pipeline stages."""

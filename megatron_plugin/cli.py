@@ -1,8 +1,10 @@
-"""`megatron-plugin`: the Megatron questions of `accelerate config`, and a checked `accelerate launch`.
+"""`megatron-plugin`: the Megatron questions of `accelerate config`, a checked `accelerate launch`, and
+Megatron indexed datasets from text.
 
     megatron-plugin config --config_file megatron_gpt_config.yaml          # asks
     megatron-plugin config --config_file cfg.yaml --tp 2 --num_processes 2 --cpu --non_interactive
     megatron-plugin launch --config_file cfg.yaml train.py --output_dir out # checks the YAML, then launches
+    megatron-plugin preprocess-data --input docs.jsonl --tokenizer tok/ --output_prefix data/my
 
 The YAML is accelerate's own format: `accelerate launch --config_file cfg.yaml` takes it as it is.
 """
@@ -222,6 +224,14 @@ def build_parser() -> argparse.ArgumentParser:
     launch = sub.add_parser("launch", help="check a config YAML, then run `accelerate launch` with it")
     launch.add_argument("--config_file", required=True)
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="the training script and its arguments")
+    pre = sub.add_parser("preprocess-data", help="tokenize text into a Megatron indexed dataset (.bin/.idx) for "
+                                                 "MegatronLMDummyDataLoader(data_path=...)")
+    pre.add_argument("--input", required=True, help="JSON lines (text under --json_key) or text (a document a line)")
+    pre.add_argument("--tokenizer", required=True, help="a local folder with an HF tokenizer")
+    pre.add_argument("--output_prefix", required=True, help="writes <prefix>_<json_key>_document.bin/.idx")
+    pre.add_argument("--json_key", default="text")
+    pre.add_argument("--no_append_eod", action="store_true", help="do not end each document with the eos token")
+    pre.add_argument("--no_special_tokens", action="store_true", help="tokenize without the tokenizer's BOS etc.")
     return parser
 
 
@@ -234,6 +244,11 @@ def main(argv: Optional[list] = None) -> int:
             if not args.script_args:
                 raise MegatronPluginConfigError("script", None, "name the training script after the options")
             return run_launch(args)
+        elif args.command == "preprocess-data":
+            from .data.preprocess import preprocess_data
+
+            preprocess_data(args.input, args.tokenizer, args.output_prefix, json_key=args.json_key,
+                            append_eod=not args.no_append_eod, add_special_tokens=not args.no_special_tokens)
     except MegatronPluginConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

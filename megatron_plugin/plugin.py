@@ -160,7 +160,8 @@ class MegatronLMPlugin:
         default_factory=dict, metadata={"help": "keyword arguments passed to custom_train_step_class"}
     )
     megatron_dataset_flag: bool = field(
-        default=False, metadata={"help": "the dataloaders are Megatron indexed datasets (not supported yet)"}
+        default=False, metadata={"help": "the dataloaders are Megatron indexed datasets: pass a MegatronLMDummyDataLoader "
+                                          "to prepare (set for you when you do)"}
     )
     other_megatron_args: dict = field(
         default_factory=dict, metadata={"help": "extra TransformerConfig fields, e.g. {'attention_dropout': 0.0}"}
@@ -212,11 +213,6 @@ class MegatronLMPlugin:
         if self.make_vocab_size_divisible_by < 1:
             raise MegatronPluginConfigError(
                 "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, "use a whole number >= 1, e.g. 128"
-            )
-        if self.megatron_dataset_flag:
-            raise MegatronPluginConfigError(
-                "megatron_dataset_flag", True,
-                "Megatron indexed datasets are not supported yet: pass torch DataLoaders of HF-style batches",
             )
         if self.lr_decay_style not in ("constant", "linear", "cosine"):
             raise MegatronPluginConfigError("lr_decay_style", self.lr_decay_style, "use 'constant', 'linear' or 'cosine'")

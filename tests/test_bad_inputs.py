@@ -238,6 +238,8 @@ def _step_errors(defer=False):
     expect("rows_differ", dict(good, labels=good["labels"][:2]))
     expect("short_mask", dict(good, attention_mask=good["attention_mask"][:, :-3]))
     expect("mask_3d", dict(good, attention_mask=good["attention_mask"][:, None, :]))
+    expect("shift_labels_shape", dict(good, shift_labels=good["labels"][:, 1:]))
+    expect("shift_labels_over_vocab", dict(good, shift_labels=good["labels"].clone().fill_(1000)))
     untouched = all(torch.equal(v, engine.hf_state_dict()[k]) for k, v in before.items())
     expect("all_ignored", dict(good, labels=torch.full_like(good["labels"], -100)))
     skipped_untouched = all(torch.equal(v, engine.hf_state_dict()[k]) for k, v in before.items())
@@ -259,6 +261,8 @@ def test_bad_batches(defer):
         _check(out["rows_differ"], "labels", "4 rows")
         _check(out["short_mask"], "attention_mask", "padding mask", "1 for a token")
         _check(out["mask_3d"], "attention_mask", "padding mask", "1 for a token")
+        _check(out["shift_labels_shape"], "shift_labels", "(4, 15)", "shaped like input_ids")
+        _check(out["shift_labels_over_vocab"], "shift_labels", "-100")
         assert untouched  # none of the refused batches moved a weight
         status, loss, skipped = out["all_ignored"]
         assert status == "ok" and loss != loss and skipped and skipped_untouched  # nan, skipped, weights kept

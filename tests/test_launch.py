@@ -45,6 +45,24 @@ def test_resume_is_bit_identical(tokenizer_dir, tmp_path):
     assert {**first, **second} == straight
 
 
+def test_indexed_data_example_learns_and_resumes_bit_identical(tokenizer_dir, tmp_path):
+    """The guide's Megatron indexed-dataset loop (examples/megatron_lm_gpt_indexed_pretraining.py) under DP=2:
+    the loss falls, evaluation runs, and a run stopped and resumed reads on where it stopped (same losses)."""
+    cfg, script = os.path.join(CONFIGS, "cpu_dp2.yaml"), os.path.join(ROOT, "examples", "megatron_lm_gpt_indexed_pretraining.py")
+    common = ["--tokenizer_name", tokenizer_dir, "--max_train_steps", 60, "--log_every", 1, "--eval_interval", 30,
+              "--eval_iters", 2]
+    out = accelerate_launch(cfg, script, "--output_dir", tmp_path / "a", *common)
+    straight = step_losses(out)
+    losses = [float(straight[k]) for k in sorted(straight)]
+    assert len(losses) == 60 and sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.5, losses
+    assert out.count("eval_loss") == 2 and out.count("wrote ") == 1, out[-3000:]
+    first = step_losses(accelerate_launch(cfg, script, "--output_dir", tmp_path / "b", "--stop_after_steps", 30, *common))
+    second = step_losses(accelerate_launch(cfg, script, "--output_dir", tmp_path / "b", "--resume_from_checkpoint",
+                                           tmp_path / "b" / "step_30", *common))
+    assert sorted(first) == list(range(1, 31)) and sorted(second) == list(range(31, 61))
+    assert {**first, **second} == straight
+
+
 def test_questionnaire_yaml_launches(tmp_path):
     cfg = tmp_path / "megatron_gpt_config.yaml"
     # answers to the real prompts, in order: cpu, tp, micro-batches, clip, procs, precision (on CPU the

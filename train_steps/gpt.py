@@ -24,7 +24,10 @@ def _attention_mask_4d(mask, seq_len, position_ids=None):
 
 class GPTTrainStep(AbstractTrainStep):
     """Causal LM step on HF batches: `input_ids`, optional `attention_mask` and `labels` (HF
-    semantics: labels are the inputs, shifted here; -100 and padding positions carry no loss)."""
+    semantics: labels are the inputs, shifted here; -100 and padding positions carry no loss).
+    `shift_labels`, when the batch has them, are the targets already shifted (position t's is the
+    token after t), as HF's causal-LM loss takes them; then `labels` are not read. Megatron indexed
+    datasets yield them, since their labels are the next tokens including the one after the window."""
 
     model_output_class = CausalLMOutputWithCrossAttentions
 
@@ -45,8 +48,27 @@ class GPTTrainStep(AbstractTrainStep):
             labels = tokens if mask is None else tokens.masked_fill(mask == 0, IGNORE_INDEX)
         return labels
 
+    @classmethod
+    def _shifted_labels(cls, data):
+        given = data.get("shift_labels")
+        if given is not None:
+            return given
+        labels = cls._labels(data)
+        return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
+
     def count_loss_tokens(self, batch):
-        return (self._labels(batch)[:, 1:] != IGNORE_INDEX).sum()
+        return (self._shifted_labels(batch) != IGNORE_INDEX).sum()
+
+    def check_batch(self, batch):
+        given, ids = batch.get("shift_labels"), batch.get("input_ids")
+        if torch.is_tensor(given) and torch.is_tensor(ids) and given.shape != ids.shape:
+            from megatron_plugin.errors import MegatronPluginConfigError
+
+            return MegatronPluginConfigError(
+                "batch['shift_labels']", tuple(given.shape),
+                f"pass one target per token, shaped like input_ids {tuple(ids.shape)} (-100 where none)",
+            )
+        return None
 
     def get_batch_func(self, *args, **kwargs):
         def get_batch(data_iterator):
@@ -54,8 +76,7 @@ class GPTTrainStep(AbstractTrainStep):
             data = next(data_iterator)
             tokens = data["input_ids"].long()
             mask = data.get("attention_mask")
-            labels = self._labels(data)
-            shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1).long()
+            shifted = self._shifted_labels(data).long()
             loss_mask = (shifted != IGNORE_INDEX).float()
             b, s = tokens.shape
             given = data.get("position_ids")  # HF semantics: absent means 0..s-1; restarts mean packed sequences
