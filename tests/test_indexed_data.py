@@ -147,14 +147,14 @@ def test_packed_documents_and_eod_loss_mask(corpus):
     assert (b["shift_labels"][eod] == -100).all() and torch.equal(b["shift_labels"][~eod], a["shift_labels"][~eod])
 
 
-def _megatron_run(prefix, cache, tp, micro, num_micro, extra, ckpt):
+def _megatron_run(prefix, cache, tp, micro, num_micro, extra, ckpt, pp=1):
     from megatron_plugin import Accelerator, MegatronLMDummyDataLoader, MegatronLMDummyScheduler, MegatronLMPlugin
 
     model = tiny_gpt2().train()
     opt = optimizer_for(model)
     sched = MegatronLMDummyScheduler(opt, total_num_steps=STEPS, warmup_num_steps=WARMUP)
-    plugin = MegatronLMPlugin(tp_degree=tp, num_micro_batches=num_micro, gradient_clipping=1.0, eval_iters=2,
-                              eval_interval=4)
+    plugin = MegatronLMPlugin(tp_degree=tp, pp_degree=pp, num_micro_batches=num_micro, gradient_clipping=1.0,
+                              eval_iters=2, eval_interval=4)
     acc = Accelerator(megatron_lm_plugin=plugin)
     loader = MegatronLMDummyDataLoader(data_path=prefix, splits_string="90,8,2", seq_length=SEQ, micro_batch_size=micro,
                                        data_cache_path=cache, eod_token_id=0, **extra)
