@@ -125,6 +125,11 @@ def test_ranks_read_megatrons_order_and_resume_where_they_stopped(corpus):
     for _ in range(3):
         next(fresh)
     assert torch.equal(next(again)["input_ids"], next(fresh)["input_ids"])
+    # past the end of the train split: StopIteration (a for loop ends), saying why for next()
+    fresh.seek(len(fresh))
+    with pytest.raises(StopIteration, match="total_num_steps"):
+        next(fresh)
+    fresh.seek(4)
     # workers read ahead; the order does not change
     (threaded,) = _iterators(corpus, 2, 1, 2, 2, STEPS, num_workers=2)
     threaded.seek(4)

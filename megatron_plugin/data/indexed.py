@@ -317,7 +317,13 @@ class MegatronBatches:
             loader = DataLoader(self.dataset, batch_sampler=_Steps(self), num_workers=self.num_workers,
                                 collate_fn=self._collate, pin_memory=self.device.type == "cuda")
             self._it = iter(loader)
-        batch = next(self._it)  # StopIteration past the train split's end, like a DataLoader
+        try:
+            batch = next(self._it)
+        except StopIteration:  # past the train split's end, like a DataLoader; the message says why for next()
+            raise StopIteration(
+                f"the {self.split} iterator has given all {len(self)} steps it was built for: its size comes from "
+                "the dummy scheduler's total_num_steps (or train_iters); raise it to train longer"
+            ) from None
         self.position += 1
         if self.cyclic and self.position >= len(self):
             self.position = 0
