@@ -267,6 +267,7 @@ def _prepare_errors(prefix, cache):
     attempt("two_loaders", loaders=lambda d: [d, MegatronLMDummyDataLoader(data_path=prefix, seq_length=SEQ,
                                                                            micro_batch_size=2, data_cache_path=cache)])
     attempt("eod_outside_vocab", eod_token_id=5000)
+    attempt("model_eos_outside_vocab", model=tiny_gpt2(eos_token_id=50256), eod_token_id=None)
     attempt("flag_without_loader", loaders=lambda d: [DataLoader([{"input_ids": torch.zeros(SEQ, dtype=torch.long)}] * 4,
                                                                  batch_size=2)],
             plugin=MegatronLMPlugin(megatron_dataset_flag=True))
@@ -318,6 +319,7 @@ def test_bad_indexed_data_is_refused_before_distributed_work(corpus, tmp_path):
         "empty_split": ("split", "valid iterator", "no data"),
         "two_loaders": ("prepare(MegatronLMDummyDataLoader)", "2 loaders"),
         "eod_outside_vocab": ("eod_token_id", "vocabulary"),
+        "model_eos_outside_vocab": ("eod_token_id", "50256", "model config's eos_token_id", "vocabulary"),
         "flag_without_loader": ("megatron_dataset_flag", "no MegatronLMDummyDataLoader"),
     }
     for name, (setting, *words) in expected.items():

@@ -15,10 +15,11 @@ from typing import Optional
 import torch
 from torch.utils.data import DataLoader
 
+from train_steps.gpt import IGNORE_INDEX
+
 from ..errors import MegatronPluginConfigError
 from ..fs import check_writable
 
-IGNORE_INDEX = -100
 SETTING = "MegatronLMDummyDataLoader"
 
 # name: (default, help). Names are Megatron-LM's argument names, as the guide passes them.
@@ -53,6 +54,11 @@ def _prefixes(blend) -> list:
     if len(items) % 2 == 0 and items and all(_is_number(w) for w in items[::2]):
         return [str(p) for p in items[1::2]]
     return [str(p) for p in items]
+
+
+def _split_weights(split) -> list:
+    """Megatron's --split string ('949,50,1' or '949/50/1') as its text parts."""
+    return str(split).replace("/", ",").split(",")
 
 
 def _is_number(x) -> bool:
@@ -171,7 +177,7 @@ class MegatronLMDummyDataLoader:
                     )
                 _readable(prefix, self._bad(name, f"{prefix}.idx/.bin is not a readable Megatron indexed dataset"))
         if not per_split:
-            weights = str(a["split"]).replace("/", ",").split(",")
+            weights = _split_weights(a["split"])
             if (len(weights) > 3 or not all(_is_number(w) and float(w) >= 0 for w in weights)
                     or sum(float(w) for w in weights) <= 0):
                 raise self._bad("split", "use up to three non-negative train,valid,test weights, e.g. '949,50,1'")
@@ -202,15 +208,20 @@ class MegatronLMDummyDataLoader:
                 "train_iters", "the number of training steps sizes the train split: pass "
                 "MegatronLMDummyScheduler(optimizer, total_num_steps=...) to the same prepare call, or train_iters here",
             )
-        eos = getattr(hf_config, "eos_token_id", None)
-        eod = a["eod_token_id"] if a["eod_token_id"] is not None else (eos[0] if isinstance(eos, (list, tuple)) and eos else eos)
+        eod = a["eod_token_id"]
+        if eod is None:  # the model's eos (the first, if the config lists several)
+            eos = getattr(hf_config, "eos_token_id", None)
+            eod = (eos[0] if eos else None) if isinstance(eos, (list, tuple)) else eos
         if eod is None and (a["reset_position_ids"] or a["eod_mask_loss"]):
             raise self._bad("eod_token_id", "the model config has no eos_token_id to find document ends by: pass "
                                             "the id the data was written with (its tokenizer's eos)")
         if eod is not None and not 0 <= eod < hf_config.vocab_size:
-            raise self._bad("eod_token_id" if a["eod_token_id"] is not None else "eod_token_id=None",
-                            f"end-of-document id {eod} is outside the model's vocabulary of {hf_config.vocab_size}: pass "
-                            "the id the data was written with (its tokenizer's eos)")
+            source = "" if a["eod_token_id"] is not None else " (the model config's eos_token_id)"
+            raise MegatronPluginConfigError(
+                f"{SETTING}(eod_token_id=...)", eod,
+                f"end-of-document id {eod}{source} is outside the model's vocabulary of {hf_config.vocab_size}: pass "
+                "the id the data was written with (its tokenizer's eos)",
+            )
         eval_iters = a["eval_iters"] if a["eval_iters"] is not None else plugin.eval_iters
         eval_interval = a["eval_interval"] or plugin.eval_interval
         for i in range(1, wanted):
@@ -230,7 +241,7 @@ class MegatronLMDummyDataLoader:
         a = self.dataset_args
         if a["data_path"] is None:
             return a[f"{SPLITS[i]}_data_path"] is None
-        weights = [float(w) for w in str(a["split"]).replace("/", ",").split(",")] + [0.0, 0.0]
+        weights = [float(w) for w in _split_weights(a["split"])] + [0.0, 0.0]
         return weights[i] == 0
 
     def build(self, resolved: dict, plugin, layout, device, wanted: int) -> list:
