@@ -31,7 +31,9 @@ DTYPE_NAMES = ("fp32", "fp16", "bf16")
 
 
 def is_megatron_checkpoint(path: str) -> bool:
-    return os.path.exists(os.path.join(path, "latest")) or os.path.exists(os.path.join(path, "meta.json"))
+    from megatron_plugin.engine.checkpointing.layout import is_checkpoint_dir
+
+    return is_checkpoint_dir(path)
 
 
 def _dtype(name: Optional[str]):
@@ -52,7 +54,7 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from megatron_plugin.engine.checkpoint import checkpoint_meta, model_file, point_latest, write_meta
+    from megatron_plugin.engine.checkpointing.layout import checkpoint_meta, model_file, point_latest, write_meta
     from megatron_plugin.fs import file_checksum
     from megatron_plugin.models.convert import model_dims
     from megatron_plugin.models import check_model

@@ -5,16 +5,10 @@ fraction of a second instead of importing torch and megatron-core first.
 """
 
 import importlib
-import warnings
 
-# megatron-core warns at import that TE/apex are absent; they are optional accelerators here.
-warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
-warnings.filterwarnings("ignore", message=".*Apex is not installed.*")
-# mcore 0.16's TransformerConfig warns about its own default cuda_graph_scope on every construction.
-warnings.filterwarnings("ignore", message=".*full scope is deprecated.*")
-
-from .errors import MegatronPluginConfigError  # noqa: E402
-from .plugin import MegatronLMPlugin  # noqa: E402
+from .errors import MegatronPluginConfigError
+from .plugin import MegatronLMPlugin
+from .quiet import QUIET_IMPORT, quiet
 
 _EXPORTS = {
     "Accelerator": ".accelerator",
@@ -38,32 +32,10 @@ def __getattr__(name):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'megatron_plugin' has no attribute {name!r}")
     module = _EXPORTS[name]
-    value = getattr(importlib.import_module(module, __name__ if module.startswith(".") else None), name)
-    _explain_accelerate_megatron_error()
-    globals()[name] = value
+    with quiet(QUIET_IMPORT):
+        value = getattr(importlib.import_module(module, __name__ if module.startswith(".") else None), name)
+    from . import patches
+
+    # the script may build accelerate's own Accelerator next: patches.py says why this one comes here
+    patches.install("accelerate_megatron_hint")
     return value
-
-
-def _explain_accelerate_megatron_error():
-    """A script that builds `accelerate.Accelerator` under a MEGATRON_LM config gets accelerate's
-    "Megatron is not installed. please build it from source." Our package is what it should use."""
-    import accelerate
-
-    original = accelerate.Accelerator.__init__
-    if getattr(original, "_megatron_plugin_wrapped", False):
-        return
-
-    def __init__(self, *args, **kwargs):
-        try:
-            original(self, *args, **kwargs)
-        except ImportError as err:
-            if "Megatron is not installed" not in str(err):
-                raise
-            raise ImportError(
-                "accelerate.Accelerator was asked for a MEGATRON_LM run, which accelerate only runs on a "
-                "Megatron-LM source checkout. Use this package's Accelerator instead: replace "
-                "`from accelerate import Accelerator` with `from megatron_plugin import Accelerator`."
-            ) from None
-
-    __init__._megatron_plugin_wrapped = True
-    accelerate.Accelerator.__init__ = __init__

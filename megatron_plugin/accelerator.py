@@ -15,23 +15,19 @@ from typing import Optional
 import accelerate
 import torch
 from accelerate.state import PartialState
-from accelerate.utils import DistributedType, DynamoBackend
+from accelerate.utils import DistributedType
 from torch.utils.data import DataLoader
 
-from .engine import checkpoint
+from .build import build
 from .data.indexed import MegatronLMDummyDataLoader
-from .engine.data import check_dataloader, prepare_megatron_dataloader
-from .engine.distributed import initialize
-from .engine.cpu import MegatronEngine, megatron_args
+from .engine import checkpoint
+from .engine.data import prepare_megatron_dataloader
+from .engine.optimizer import MegatronLMOptimizerWrapper
+from .engine.scheduler import MegatronLMSchedulerWrapper
 from .errors import MegatronPluginConfigError
 from .launch_config import check_launch
-from .models.modeling import MegatronModel
-from .models.convert import mcore_to_hf_sources
-from .models import check_model
-from .models.mapping import StagePlan
-from .engine.optimizer import MegatronLMOptimizerWrapper, check_optimizer, rebuild_optimizer, trainable_flags
-from .plugin import MegatronLMPlugin, check_compile, check_cpu_support, uses_cuda_graphs
-from .engine.scheduler import MegatronLMDummyScheduler, MegatronLMSchedulerWrapper, build_scheduler, check_scheduler
+from .plugin import MegatronLMPlugin
+from .resolve import Inputs, resolve
 
 _ENV_FLAG = "ACCELERATE_USE_MEGATRON_LM"
 
@@ -47,55 +43,6 @@ def _env(name, value):
             os.environ.pop(name, None)
         else:
             os.environ[name] = old
-
-
-def layer_compile_kwargs(plugin: MegatronLMPlugin, dynamo_plugin) -> Optional[dict]:
-    """torch.compile arguments for the Megatron layers, or None for eager. accelerate's dynamo settings
-    (`accelerate config`, `Accelerator(dynamo_backend=...)`) win over the plugin's plain switch."""
-    if dynamo_plugin is not None and dynamo_plugin.backend != DynamoBackend.NO and not dynamo_plugin.disable:
-        return dynamo_plugin.to_kwargs()
-    return {} if plugin.torch_compile else None
-
-
-def weights_reader(hf_model, plugin: MegatronLMPlugin, family, variant: str):
-    """None for a model that carries its weights; for one without (meta device), a reader of the HF folder
-    they come from, checked to hold every tensor the model needs. No collectives."""
-    if not any(p.is_meta for p in hf_model.parameters()):
-        return None
-    from .engine.hf_io import HFReader
-
-    path = plugin.hf_checkpoint or getattr(hf_model.config, "_name_or_path", "") or None
-    if path is None or not os.path.isdir(path):
-        raise MegatronPluginConfigError(
-            "hf_checkpoint", path,
-            "the model has no weights (meta device) and no local checkpoint folder to read them from: pass "
-            "MegatronLMPlugin(hf_checkpoint='<HF model folder>'), or build the config with "
-            "AutoConfig.from_pretrained('<folder>')",
-        )
-    reader = HFReader(path, variant=variant, setting="hf_checkpoint", config=hf_model.config)
-    missing = sorted(family.mapped_hf_names(hf_model.config, variant) - set(reader.names))
-    if missing:
-        raise MegatronPluginConfigError(
-            "hf_checkpoint", path, f"the checkpoint lacks {len(missing)} tensors the model needs, e.g. {missing[:3]}: "
-            "is it of this model (and this variant)?",
-        )
-    return reader
-
-
-def check_step_family(step_cls, family) -> None:
-    """A custom step built on one family's step (GPTTrainStep, BertTrainStep, T5TrainStep: the policy and DPO
-    steps are GPT steps) reads batches and outputs of that family's model only; one built on
-    AbstractTrainStep directly is the user's to match."""
-    import train_steps
-
-    own = getattr(train_steps, family.train_step)
-    for base in (train_steps.GPTTrainStep, train_steps.BertTrainStep, train_steps.T5TrainStep):
-        if issubclass(step_cls, base) and not issubclass(own, base) and not issubclass(step_cls, own):
-            raise MegatronPluginConfigError(
-                "custom_train_step_class", step_cls.__name__,
-                f"it is a {base.__name__}, for other models than this {family.name} model ({family.train_step}): "
-                f"subclass {family.train_step}, or pass a model the step is for",
-            )
 
 
 class Accelerator(accelerate.Accelerator):
@@ -134,127 +81,26 @@ class Accelerator(accelerate.Accelerator):
 
     # -- prepare ----------------------------------------------------------------------------------
     def prepare(self, *args, device_placement=None):
+        """resolve (check and decide everything, no collectives) -> build (process groups, the model carrying
+        the HF weights, the engine) -> wrap (what the script gets back, in the order it passed them)."""
         if self._megatron is None:
             return super().prepare(*args, device_placement=device_placement)
-        plugin = self._megatron
-        models = [a for a in args if isinstance(a, torch.nn.Module)]
-        optimizers = [a for a in args if isinstance(a, torch.optim.Optimizer)]
-        schedulers = [a for a in args if not isinstance(a, (torch.nn.Module, torch.optim.Optimizer, DataLoader))
-                      and (isinstance(a, MegatronLMDummyScheduler) or hasattr(a, "step"))]
-        loaders = [a for a in args if isinstance(a, DataLoader)]
-        indexed = [a for a in args if isinstance(a, MegatronLMDummyDataLoader)]
-        # Every check below runs before the first collective, so bad input fails on every rank alike.
-        if len(models) > 1 or (models and self._engine is not None):
-            raise MegatronPluginConfigError(
-                "prepare(models)", len(models) + (self._engine is not None),
-                "Megatron runs train one model per Accelerator: prepare a single model",
-            )
-        if not models:
-            raise MegatronPluginConfigError("prepare(model)", None, "pass the HF model to prepare with its dataloaders")
-        if not loaders and not indexed:
-            raise MegatronPluginConfigError(
-                "prepare(dataloaders)", None,
-                "pass the training and/or evaluation DataLoader (or a MegatronLMDummyDataLoader) to the same prepare "
-                "call: Megatron needs the micro-batch size to lay out the step",
-            )
-        if len({id(a) for a in indexed}) > 1 or len(indexed) > 3:
-            raise MegatronPluginConfigError(
-                "prepare(MegatronLMDummyDataLoader)", f"{len({id(a) for a in indexed})} loaders, passed {len(indexed)} times",
-                "pass one MegatronLMDummyDataLoader, once, twice or three times: it becomes the train, validation and "
-                "test iterators in that order",
-            )
-        if plugin.megatron_dataset_flag and not indexed:
-            raise MegatronPluginConfigError(
-                "megatron_dataset_flag", True,
-                "no MegatronLMDummyDataLoader was passed to prepare: pass it (the flag is set for you when you do), "
-                "or set megatron_dataset_flag=False for torch DataLoaders",
-            )
-        plugin.megatron_dataset_flag = bool(indexed)
-        if not optimizers:
-            raise MegatronPluginConfigError("prepare(optimizer)", None, "pass the optimizer to the same prepare call")
-        if len(optimizers) > 1 or len(schedulers) > 1:
-            raise MegatronPluginConfigError("prepare(optimizers)", len(optimizers), "pass one optimizer and one scheduler")
-        for s in schedulers:
-            check_scheduler(s, plugin)
-        for o in optimizers:
-            check_optimizer(o)
-        compile_kwargs = layer_compile_kwargs(plugin, getattr(self.state, "dynamo_plugin", None))
-        check_compile(plugin, compile_kwargs, self.device.type)
-        if plugin.gradient_accumulation_fusion is None:
-            # On CUDA, eager or compiled: with the light ops of compiled_linear.py compiled GPT-2 124M runs
-            # 382k tok/s fused vs 307k unfused and 350M ties (BENCHMARKS.md, speed round 4). Not with
-            # CUDA graphs (compile mode reduce-overhead): check_compile says why.
-            plugin.gradient_accumulation_fusion = self.device.type == "cuda" and not uses_cuda_graphs(compile_kwargs)
-        if self.device.type == "cpu":
-            check_cpu_support(plugin)
-        for dl in loaders:
-            check_dataloader(dl, plugin, plugin.data_parallel_size(self.num_processes))
-        dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(self.mixed_precision)
-        if dtype is torch.float16 and self.device.type == "cpu":
-            raise MegatronPluginConfigError("mixed_precision", "fp16", "fp16 needs CUDA; use 'bf16' or 'no' on CPU")
-        hf_model = models[0]
-        family = check_model(plugin, hf_model.config)
-        variant = family.variant_of(hf_model)
-        data_sizes = indexed[0].check_for(hf_model.config, family, plugin, schedulers[0] if schedulers else None,
-                                          len(indexed)) if indexed else None
-        step_cls = plugin.custom_train_step_class
-        if step_cls is None:
-            if variant not in family.trainable_variants:
-                trainable = " or ".join(family.classes[v] for v in family.trainable_variants)
-                raise MegatronPluginConfigError(
-                    "model", type(hf_model).__name__,
-                    f"this model has no head the default train step can compute a loss with: pass {trainable}, or "
-                    "set custom_train_step_class to a step that computes your loss from the hidden states",
-                )
-            import train_steps
-
-            step_cls = getattr(train_steps, family.train_step)
-        else:
-            check_step_family(step_cls, family)
-        if hasattr(step_cls, "check_kwargs"):
-            step_cls.check_kwargs(dict(plugin.custom_train_step_kwargs))
-        whole = StagePlan.single(family.num_layers(hf_model.config))
-        trainable_flags(hf_model, optimizers[0], mcore_to_hf_sources(family, hf_model.config, whole, variant))
-        reader = weights_reader(hf_model, plugin, family, variant)
-        if self.project_dir:
-            checkpoint.check_writable(self.project_dir, "ProjectConfiguration.project_dir")
-
-        layout = initialize(plugin, hf_model.config)
-        # a damaged file may be read by some ranks only (pipeline stages read different tensors): every
-        # rank raises the error, so none waits in a collective
-        chunks = checkpoint.agree(lambda: MegatronModel.chunks_from_hf(
-            hf_model, plugin, params_dtype=dtype if (dtype is not None and self.device.type == "cuda") else torch.float32,
-            reader=reader,
-        ))
-        for chunk in chunks:
-            sources = mcore_to_hf_sources(chunk.family, chunk.hf_config, chunk.plan, chunk.variant)
-            flags = trainable_flags(hf_model, optimizers[0], sources)
-            for name, param in chunk.module.named_parameters():
-                param.requires_grad_(flags[name])
-        model = chunks[0]
-        micro = max([dl.batch_size for dl in loaders] + [m.micro_batch_size for m in indexed])
-        plugin.micro_batch_size = micro
-        plugin.global_batch_size = micro * plugin.num_micro_batches * layout.dp_size
-        # collective: megatron-core writes the sample indices on rank 0 first, the others read them
-        iterators = indexed[0].build(data_sizes, plugin, layout, layout.device, len(indexed)) if indexed else []
-        self._megatron_iterators = list(iterators)
-        step_args = megatron_args(plugin, model, micro, layout.dp_size)
-        step = step_cls(step_args, **plugin.custom_train_step_kwargs)
-        if self.device.type == "cuda":
-            from .engine.gpu import MegatronCoreEngine
-
-            engine = MegatronCoreEngine(chunks, optimizers[0], schedulers[0] if schedulers else None, plugin, step,
-                                        layout.device, dtype, compile_kwargs=compile_kwargs)
-        else:
-            sources = mcore_to_hf_sources(model.family, model.hf_config, model.plan, model.variant)
-            inner = rebuild_optimizer(optimizers[0], hf_model, sources, dict(model.module.named_parameters()))
-            sched = build_scheduler(schedulers[0], inner, plugin) if schedulers else None
-            engine = MegatronEngine(chunks, inner, sched, plugin, step, layout.device, autocast_dtype=dtype)
-        engine.megatron_args = step_args
+        inputs = Inputs.sort(args, self._megatron, already_prepared=self._engine is not None)
+        spec = resolve(inputs, self._megatron, world_size=self.num_processes, device_type=self.device.type,
+                       mixed_precision=self.mixed_precision, dynamo_plugin=getattr(self.state, "dynamo_plugin", None),
+                       project_dir=self.project_dir)
+        engine, layout, iterators = build(spec, inputs)
+        self.state.megatron_lm_plugin = spec.plugin
         self._engine = engine
+        self._megatron_iterators = list(iterators)
+        return self._wrap(args, inputs, engine, layout, iterators)
+
+    def _wrap(self, args, inputs, engine, layout, iterators):
+        """The prepared objects in the order the script passed theirs."""
+        plugin = engine.plugin
         opt_wrapper = MegatronLMOptimizerWrapper(engine.optimizer, engine)
         sched_wrapper = MegatronLMSchedulerWrapper(engine.scheduler, engine.optimizer) if engine.scheduler else None
-
+        iterators = list(iterators)
         out = []
         for a in args:
             if isinstance(a, torch.nn.Module):
@@ -267,7 +113,7 @@ class Accelerator(accelerate.Accelerator):
                 loader = prepare_megatron_dataloader(a, plugin, layout.dp_size, layout.dp_rank, layout.device, plugin.seed)
                 self._dataloaders.append(loader)
                 out.append(loader)
-            elif a in schedulers:
+            elif a is inputs.scheduler:
                 out.append(sched_wrapper)
             else:
                 out.append(a)
@@ -341,7 +187,7 @@ class Accelerator(accelerate.Accelerator):
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         if output_dir is None:
             raise MegatronPluginConfigError("save_state(output_dir)", None, "pass the folder to save into")
-        self._engine._check_ready("save_state")
+        self._engine.check_ready("save_state")
         return checkpoint.save_state(
             output_dir, self._engine, self._custom_objects, distributed_optimizer=self._megatron.use_distributed_optimizer
         )
@@ -349,7 +195,7 @@ class Accelerator(accelerate.Accelerator):
     def load_state(self, input_dir: str | None = None, **kwargs):
         if self._megatron is None:
             return super().load_state(input_dir, **kwargs)
-        self._engine._check_ready("load_state")
+        self._engine.check_ready("load_state")
         meta = checkpoint.load_state(input_dir, self._engine, self._custom_objects)
         if getattr(self, "_megatron_iterators", None):
             # Megatron-LM resumes its samples from iteration x global batch: the train iterator goes on there
@@ -362,7 +208,7 @@ class Accelerator(accelerate.Accelerator):
             return super().get_state_dict(model, unwrap)
         from .engine.export import full_state_dict
 
-        self._engine._check_ready("get_state_dict")
+        self._engine.check_ready("get_state_dict")
         return full_state_dict(self._engine)
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
@@ -373,7 +219,7 @@ class Accelerator(accelerate.Accelerator):
                                       safe_serialization=safe_serialization)
         from .engine.export import save_model
 
-        self._engine._check_ready("save_model")
+        self._engine.check_ready("save_model")
         return save_model(self._engine, save_directory, max_shard_size, safe_serialization)
 
     # -- post-training ----------------------------------------------------------------------------

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from .errors import MegatronPluginConfigError
+from .quiet import QUIET_IMPORT, quiet
 
 ENV_PREFIX = "MEGATRON_LM_"
 
@@ -47,6 +48,10 @@ def parse_float(setting: str, raw: str) -> float:
         raise MegatronPluginConfigError(setting, raw, "use a number such as 1.0 (0 disables it)") from None
 
 
+# the base class of train steps, by import path: the plugin sits below the train_steps package
+TRAIN_STEP_BASE = "train_steps.base.AbstractTrainStep"
+
+
 def resolve_train_step_class(value):
     """A train step class, or an import path to one ('pkg.module.Class' or 'pkg.module:Class')."""
     if value is None:
@@ -54,15 +59,14 @@ def resolve_train_step_class(value):
     if isinstance(value, str):
         module, _, name = value.replace(":", ".").rpartition(".")
         try:
-            value = getattr(importlib.import_module(module), name)
+            with quiet(QUIET_IMPORT):
+                value = getattr(importlib.import_module(module), name)
         except (ImportError, AttributeError, ValueError) as err:
             raise MegatronPluginConfigError(
                 "custom_train_step_class", value,
                 f"cannot import it ({err}): pass the class itself, or an import path such as 'my_steps.MyTrainStep'",
             ) from None
-    from train_steps import AbstractTrainStep
-
-    if not (isinstance(value, type) and issubclass(value, AbstractTrainStep)):
+    if not (isinstance(value, type) and any(f"{c.__module__}.{c.__qualname__}" == TRAIN_STEP_BASE for c in value.__mro__)):
         raise MegatronPluginConfigError(
             "custom_train_step_class", value,
             "pass a subclass of megatron_plugin.AbstractTrainStep (usually of GPTTrainStep), not an instance",

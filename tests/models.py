@@ -1,4 +1,5 @@
-"""Tiny random HF models, built locally (no hub)."""
+"""Tiny random HF models, built locally (no hub), and the helpers that compare one with its Megatron-Core
+twin (the parity tests' workers)."""
 
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, GPT2Model
@@ -132,3 +133,118 @@ def tiny_t5(name="t5_v1_0", lm_head=True, seed=0, **overrides):
             if p.dim() == 1:
                 p.add_(torch.randn_like(p) * 0.1)
     return model.eval()
+
+
+# -- parity with the Megatron-Core twin --------------------------------------------------------------
+def max_rel(a, b, floor=1e-12):
+    """max |a - b| relative to max |b|, the latter at least `floor`."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(floor)).item()
+
+
+def padded_ids(vocab, low, left_pads, seq=12):
+    """Three seeded rows of ids in [low, vocab), a right-padding mask (rows 0 and 2 padded) and a
+    left-padding mask with `left_pads[row]` pads in front of each row it names."""
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(low, vocab, (3, seq), generator=g)
+    right = torch.ones(3, seq, dtype=torch.long)
+    right[0, 8:] = 0
+    right[2, 5:] = 0
+    left = torch.ones(3, seq, dtype=torch.long)
+    for row, pads in left_pads.items():
+        left[row, :pads] = 0
+    return ids, right, left
+
+
+def megatron_twin(hf, plugin):
+    """This rank's Megatron-Core model of `hf`, with the process groups of `plugin` initialized."""
+    from megatron_plugin.engine.distributed import initialize
+    from megatron_plugin.models.modeling import MegatronModel
+
+    initialize(plugin, hf.config)
+    return MegatronModel.from_hf(hf, plugin)
+
+
+def token_mean(per_token, labels):
+    """HF's mean cross-entropy from Megatron's per-token losses: over the positions labelled, not -100."""
+    keep = (labels != -100).float()
+    return (per_token * keep).sum() / keep.sum()
+
+
+def grad_parity(grads, hf, floor=1e-12, reached_only=False):
+    """(same names, max relative difference) of `grads` (HF name -> full gradient, from the twin) and the
+    gradients on `hf`'s parameters: those `grads` names, or with `reached_only` every one HF's backward
+    reached."""
+    ref = {k: p.grad for k, p in hf.named_parameters() if (p.grad is not None if reached_only else k in grads)}
+    return set(ref) == set(grads), max(max_rel(grads[k], ref[k], floor) for k in ref)
+
+
+def decoder_parity(build, names, cases, grad_case, **hf_kwargs):
+    """A launched rank's parity worker for causal LMs under TP = WORLD_SIZE: each tiny HF model
+    `build(name, lm_head=...)` of `names`, with and without its head, against its twin. `cases(vocab)`:
+    (case, input_ids, attention_mask, position_ids, valid positions), each compared forward (HF gets
+    `hf_kwargs` too); the gradients of a padded cross-entropy are compared on the case named `grad_case`.
+    Returns {(name, lm_head): {fwd_<case>, shape_ok, roundtrip_keys_equal, roundtrip_bit_exact,
+    grad_names_equal, grad_max_rel}}."""
+    import os
+
+    from megatron_plugin import MegatronLMPlugin
+
+    tp = int(os.environ["WORLD_SIZE"])
+    plugin = MegatronLMPlugin(tp_degree=tp)
+    out = {}
+    for name in names:
+        for lm_head in (True, False):
+            hf = build(name, lm_head=lm_head)
+            model = megatron_twin(hf, plugin).eval()
+            res = {}
+            for case, ids, mask, pos, valid in cases(hf.config.vocab_size):
+                with torch.no_grad():
+                    ref = hf(ids, attention_mask=mask, position_ids=pos, **hf_kwargs)
+                    ref = ref.logits if lm_head else ref.last_hidden_state
+                    got = model(ids, attention_mask=mask, position_ids=pos)
+                res[f"fwd_{case}"] = (got - ref).abs()[valid].max().item()
+                res["shape_ok"] = res.get("shape_ok", True) and got.shape == ref.shape
+
+            # Round trip: HF -> Megatron(TP) -> HF, exact.
+            back = model.hf_state_dict()
+            tied = hf.config.tie_word_embeddings
+            ref_sd = {k: v for k, v in hf.state_dict().items() if not (k == "lm_head.weight" and tied)}
+            res["roundtrip_keys_equal"] = set(back) == set(ref_sd)
+            res["roundtrip_bit_exact"] = all(torch.equal(back[k], ref_sd[k]) for k in ref_sd if k in back)
+
+            if lm_head:
+                # Gradients of a padded cross-entropy loss w.r.t. every HF parameter.
+                _, ids, mask, pos, _ = next(c for c in cases(hf.config.vocab_size) if c[0] == grad_case)
+                labels = ids.masked_fill(mask == 0, -100)
+                hf.zero_grad()
+                hf(ids, attention_mask=mask, position_ids=pos, labels=labels).loss.backward()
+                shifted = torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], -100)], dim=1)
+                per_token = model(ids, attention_mask=mask, position_ids=pos, labels=shifted)
+                model.zero_grad()
+                token_mean(per_token, shifted).backward()
+                if tp > 1:  # q/k norms see only this rank's heads: the engines sum their grads over TP
+                    import torch.distributed as dist
+                    from megatron.core import parallel_state
+
+                    for n, p in model.module.named_parameters():
+                        if "q_layernorm" in n or "k_layernorm" in n:
+                            dist.all_reduce(p.grad, group=parallel_state.get_tensor_model_parallel_group())
+                res["grad_names_equal"], res["grad_max_rel"] = grad_parity(model.hf_state_dict(grads=True), hf)
+            out[(name, lm_head)] = res
+    return out
+
+
+def check_decoder_parity(results, names, cases, world_size):
+    """What each rank's `decoder_parity` must show: every model of `names`, the forward of every one of
+    `cases` within 1e-4, the round trip bit for bit, the gradients within 1e-4 relative."""
+    for rank, per_rank in enumerate(results):
+        assert len(per_rank) == 2 * len(names)
+        for (name, lm_head), res in per_rank.items():
+            where = f"rank {rank}/{world_size}, {name}, lm_head={lm_head}"
+            assert res["shape_ok"], where
+            for case in cases:
+                assert res[f"fwd_{case}"] < 1e-4, (where, case, res)
+            assert res["roundtrip_keys_equal"] and res["roundtrip_bit_exact"], (where, res)
+            if lm_head:
+                assert res["grad_names_equal"], where
+                assert res["grad_max_rel"] < 1e-4, (where, res)

@@ -31,9 +31,11 @@ def _free_port() -> int:
 
 
 def _reset_process_state():
+    from megatron_plugin import patches
     from megatron_plugin.engine.distributed import destroy
 
     destroy()
+    patches.undo()
     try:
         from accelerate.state import AcceleratorState, GradientState
 

@@ -4,6 +4,7 @@ returns HF's loss and logits; main_process_first and wait_for_everyone order the
 import torch
 from torch.utils.data import DataLoader
 
+from tests.errors import check_refusal, expecter
 from tests.models import tiny_gpt2
 from tests.spawn import run_on_ranks
 from tests.training import LR, optimizer_for, token_dataset
@@ -13,19 +14,15 @@ def _bad_inputs_worker():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
-    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin, MegatronPluginConfigError
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+    def started(name):
+        # accelerate's Accelerator() itself opens the process group; what must not have started by
+        # then is Megatron: no model-parallel groups, no collectives
+        return dist.is_initialized() if name == "grad_accum" else parallel_state.model_parallel_is_initialized()
 
     errors = {}
-
-    def expect(name, fn):
-        try:
-            fn()
-            errors[name] = None
-        except MegatronPluginConfigError as err:
-            # accelerate's Accelerator() itself opens the process group; what must not have started by
-            # then is Megatron: no model-parallel groups, no collectives
-            started = dist.is_initialized() if name == "grad_accum" else parallel_state.model_parallel_is_initialized()
-            errors[name] = (err.setting, str(err), started)
+    expect = expecter(errors, state=started)
 
     expect("grad_accum", lambda: Accelerator(megatron_lm_plugin=MegatronLMPlugin(), gradient_accumulation_steps=2))
     acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(num_micro_batches=2))
@@ -61,10 +58,8 @@ def test_bad_input_is_refused_before_distributed_work():
         "cpu_compile": ("torch_compile", "CUDA engine only"),
     }
     for name, (setting, words) in expected.items():
-        got = errors[name]
-        assert got is not None, f"{name}: no error raised"
-        assert got[0] == setting and words in got[1], (name, got)
-        assert got[2] is False, f"{name}: raised after distributed work had started"
+        check_refusal(errors[name], setting, words, exact=True, where=name)
+        assert errors[name][2] is False, f"{name}: raised after distributed work had started"
 
 
 def _eval_worker():
@@ -94,8 +89,9 @@ def _eval_worker():
         "logits_err": (out.logits - ref.logits).abs()[batch["attention_mask"].bool()].max().item(),
         "shape": tuple(out.logits.shape) == tuple(ref.logits.shape),
         "main_is_last": acc.is_main_process == (acc.process_index == acc.num_processes - 1),
-        # the default (None) resolves at prepare; the fused weight-gradient GEMM is CUDA-only
-        "wgrad_fusion": (plugin.gradient_accumulation_fusion,
+        # the default (None) resolves at prepare, into the accelerator's copy of the plugin (the user's stays
+        # as it was); the fused weight-gradient GEMM is CUDA-only
+        "wgrad_fusion": (plugin.gradient_accumulation_fusion, acc.state.megatron_lm_plugin.gradient_accumulation_fusion,
                          any(m.config.gradient_accumulation_fusion for m in engine.modules() if hasattr(m, "config"))),
     }
 
@@ -104,14 +100,14 @@ def test_eval_returns_hf_loss_and_logits_under_tp2():
     for res in run_on_ranks(_eval_worker, 2):
         assert res["shape"] and res["main_is_last"]
         assert res["loss_err"] < 1e-5 and res["logits_err"] < 1e-4, res
-        assert res["wgrad_fusion"] == (False, False), res
+        assert res["wgrad_fusion"] == (None, False, False), res
 
 
 def test_compile_settings_follow_accelerate_dynamo_plugin():
     from accelerate.utils import TorchDynamoPlugin
 
     from megatron_plugin import MegatronLMPlugin
-    from megatron_plugin.accelerator import layer_compile_kwargs
+    from megatron_plugin.resolve import layer_compile_kwargs
 
     assert layer_compile_kwargs(MegatronLMPlugin(), TorchDynamoPlugin(backend="no")) is None
     assert layer_compile_kwargs(MegatronLMPlugin(torch_compile=True), TorchDynamoPlugin(backend="no")) == {}

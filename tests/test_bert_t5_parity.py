@@ -7,14 +7,12 @@ import os
 import pytest
 import torch
 
-from tests.models import BERT_CONFIGS, T5_CONFIGS, tiny_bert, tiny_t5
+from tests.models import BERT_CONFIGS, T5_CONFIGS, grad_parity, megatron_twin, tiny_bert, tiny_t5, token_mean
 from tests.spawn import run_on_ranks
 
-
-def _max_rel(a, b):
-    # a key bias shifts every score of a softmax row alike: its true gradient is 0, and HF's and ours are
-    # rounding noise of ~1e-9; relative to a floor of 1e-5 such a tensor still has to agree
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-5)).item()
+# a key bias shifts every score of a softmax row alike: its true gradient is 0, and HF's and ours are
+# rounding noise of ~1e-9; relative to a floor of 1e-5 such a tensor still has to agree
+FLOOR = 1e-5
 
 
 def _inputs(vocab):
@@ -36,16 +34,13 @@ def _roundtrip(model, hf):
 
 def _bert_worker():
     from megatron_plugin import MegatronLMPlugin
-    from megatron_plugin.engine.distributed import initialize
-    from megatron_plugin.models.modeling import MegatronModel
 
     tp = int(os.environ["WORLD_SIZE"])
     out = {}
     for name in BERT_CONFIGS:
         for variant in ("pretraining", "mlm", "base"):
             hf = tiny_bert(name, variant)
-            initialize(MegatronLMPlugin(tp_degree=tp), hf.config)
-            model = MegatronModel.from_hf(hf, MegatronLMPlugin(tp_degree=tp)).eval()
+            model = megatron_twin(hf, MegatronLMPlugin(tp_degree=tp)).eval()
             ids, mask, types, g = _inputs(hf.config.vocab_size)
             valid = mask.bool()
             with torch.no_grad():
@@ -66,17 +61,14 @@ def _bert_worker():
                 kwargs = {"next_sentence_label": nsp} if variant == "pretraining" else {}
                 hf(ids, attention_mask=mask, token_type_ids=types, labels=labels, **kwargs).loss.backward()
                 per_token, binary = model(ids, attention_mask=mask, token_type_ids=types, labels=labels)
-                keep = (labels != -100).float()
-                loss = (per_token * keep).sum() / keep.sum()
+                loss = token_mean(per_token, labels)
                 if variant == "pretraining":
                     loss = loss + torch.nn.functional.cross_entropy(binary, nsp)
                 model.zero_grad()
                 loss.backward()
-                grads = model.hf_state_dict(grads=True)
                 # (an untied decoder under transformers 5 leaves cls.predictions.bias unused: no grad)
-                ref_grads = {k: p.grad for k, p in hf.named_parameters() if p.grad is not None}
-                res["grad_names"] = set(ref_grads) == set(grads)
-                res["grad_max_rel"] = max(_max_rel(grads[k], ref_grads[k]) for k in ref_grads)
+                res["grad_names"], res["grad_max_rel"] = grad_parity(model.hf_state_dict(grads=True), hf, FLOOR,
+                                                                     reached_only=True)
             out[(name, variant)] = res
     return out
 
@@ -112,16 +104,13 @@ def _sdpa_mask_strides(forward):
 
 def _t5_worker():
     from megatron_plugin import MegatronLMPlugin
-    from megatron_plugin.engine.distributed import initialize
-    from megatron_plugin.models.modeling import MegatronModel
 
     tp = int(os.environ["WORLD_SIZE"])
     out = {}
     for name in T5_CONFIGS:
         for lm_head in (True, False):
             hf = tiny_t5(name, lm_head)
-            initialize(MegatronLMPlugin(tp_degree=tp), hf.config)
-            model = MegatronModel.from_hf(hf, MegatronLMPlugin(tp_degree=tp)).eval()
+            model = megatron_twin(hf, MegatronLMPlugin(tp_degree=tp)).eval()
             ids, mask, _, g = _inputs(hf.config.vocab_size)
             dec = torch.randint(2, hf.config.vocab_size, (3, 7), generator=g)
             dec_mask = torch.ones_like(dec)
@@ -138,13 +127,9 @@ def _t5_worker():
                 hf.zero_grad()
                 hf(input_ids=ids, attention_mask=mask, labels=labels).loss.backward()
                 per_token = model(ids, attention_mask=mask, labels=labels)
-                keep = (labels != -100).float()
                 model.zero_grad()
-                ((per_token * keep).sum() / keep.sum()).backward()
-                grads = model.hf_state_dict(grads=True)
-                ref_grads = {k: p.grad for k, p in hf.named_parameters() if k in grads}
-                res["grad_names"] = set(ref_grads) == set(grads)
-                res["grad_max_rel"] = max(_max_rel(grads[k], ref_grads[k]) for k in ref_grads)
+                token_mean(per_token, labels).backward()
+                res["grad_names"], res["grad_max_rel"] = grad_parity(model.hf_state_dict(grads=True), hf, FLOOR)
             out[(name, lm_head)] = res
     return out
 

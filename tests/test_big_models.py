@@ -14,7 +14,7 @@ from tests.spawn import run_on_ranks
 def test_each_rank_reads_only_its_part_bit_exact():
     """`read_shard` (slices read lazily) equals sharding the whole converted tensor, for every rule of
     every family and TP = 1, 2, 4, and keeps the weights' device."""
-    from megatron_plugin.engine.hf_io import TensorSlice
+    from megatron_plugin.models.mapping import TensorSlice
     from megatron_plugin.models import get_family
     from megatron_plugin.models.convert import model_dims
     from megatron_plugin.models.mapping import TRANSFORMS, StagePlan, expand, read_shard, shard
@@ -106,7 +106,8 @@ def _meta_error(path, plugin_path, config_path, drop_name):
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin, MegatronPluginConfigError
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+    from tests.errors import refusal
     from tests.training import token_dataset
 
     with init_empty_weights():
@@ -115,12 +116,8 @@ def _meta_error(path, plugin_path, config_path, drop_name):
         model.config._name_or_path = ""
     acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(hf_checkpoint=plugin_path))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    try:
-        acc.prepare(model, opt, MegatronLMDummyScheduler(opt, total_num_steps=2),
-                    DataLoader(token_dataset(4, 300), batch_size=2))
-    except MegatronPluginConfigError as err:
-        return err.setting, str(err)
-    return None
+    return refusal(acc.prepare, model, opt, MegatronLMDummyScheduler(opt, total_num_steps=2),
+                   DataLoader(token_dataset(4, 300), batch_size=2))
 
 
 def test_meta_device_bad_inputs(tmp_path):

@@ -4,27 +4,15 @@ and it loads: model and iteration come back as saved."""
 import os
 
 import torch
-from torch.utils.data import DataLoader
 
-from tests.models import tiny_gpt2
 from tests.spawn import run_on_ranks
-from tests.training import optimizer_for, token_dataset
+from tests.training import prepared_gpt2
 
 
 def _crash_worker(ckpt):
-    import megatron_plugin.engine.checkpoint as ckpt_mod
-    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+    import megatron_plugin.engine.checkpointing.native_save as ckpt_mod
 
-    model = tiny_gpt2()
-    opt = optimizer_for(model)
-    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin())
-    engine, opt, sched, loader = acc.prepare(
-        model, opt, MegatronLMDummyScheduler(opt, total_num_steps=10), DataLoader(token_dataset(24, 1000), batch_size=4)
-    )
-    engine.train()
-    batches = iter(loader)
-    engine(**next(batches))
-    engine(**next(batches))
+    acc, engine, batches = prepared_gpt2(steps_before=2)
     acc.save_state(ckpt)
     saved = {k: v.clone() for k, v in engine.model.module.state_dict().items() if not k.endswith("_extra_state")}
     engine(**next(batches))  # the weights move on past the checkpoint

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils.data import DataLoader
 
-from tests.models import tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
+from tests.errors import expecter
+from tests.models import grad_parity, tiny_bert, tiny_gpt2, tiny_llama, tiny_t5
 from tests.spawn import run_on_ranks
 
 SEQ = 12
@@ -205,29 +206,25 @@ def hf_policy_loss(hf, batch, clip_range=0.2, clip_range_high=None, kl_coef=0.0,
     return per_seq.mean()
 
 
-def _engine_grads(accelerator, model, batch):
+def _engine_grads(model, batch):
     """Gradients of one step's loss (data-parallel reduced), as HF-named full tensors, without stepping."""
-    engine = accelerator._engine
+    engine = model  # what prepare returned for the HF model
     step = engine.train_step_handler
     engine.train()
     for p in engine.model.parameters():
         p.grad = None
-    micro_batches = engine._split(batch, step)
-    assert engine._check_batch(batch, step)
+    micro_batches = engine.micro_batches(batch, step)
+    assert engine.check_batch(batch, step)
     logs = []
     for mb in micro_batches:
-        _, (loss, log) = engine._forward_micro_batch(mb)
+        _, (loss, log) = engine.forward_micro_batch(mb)
         (loss / len(micro_batches)).backward()
         logs.append(log)
-    engine._reduce_gradients()
+    engine.reduce_gradients()
     grads = dict(engine.iter_hf_weights(grads=True))
     for p in engine.model.parameters():
         p.grad = None
     return grads, logs
-
-
-def _max_rel(a, b):
-    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
 
 
 def _policy_grads_worker(name, case):
@@ -235,18 +232,18 @@ def _policy_grads_worker(name, case):
 
     tp = int(os.environ["WORLD_SIZE"])
     kwargs = POLICY_CASES[case]
-    accelerator, model, _, hf = prepare(name, tp, step_class=PolicyGradientTrainStep, step_kwargs=kwargs)
+    _, model, _, hf = prepare(name, tp, step_class=PolicyGradientTrainStep, step_kwargs=kwargs)
     batch = policy_batch(hf, kwargs)
-    grads, logs = _engine_grads(accelerator, model, batch)
+    grads, logs = _engine_grads(model, batch)
     hf.zero_grad()
     ref_loss = hf_policy_loss(hf, batch, **kwargs)
     ref_loss.backward()
-    ref = {k: p.grad for k, p in hf.named_parameters() if p.grad is not None}
+    names, grad_max_rel = grad_parity(grads, hf, reached_only=True)
     return {
-        "names": set(grads) == set(ref),
+        "names": names,
         "loss": (logs[0]["loss"].item(), ref_loss.item()),
         "clip fraction": logs[0]["clip fraction"].item(),
-        "grad_max_rel": max(_max_rel(grads[k], ref[k]) for k in ref),
+        "grad_max_rel": grad_max_rel,
     }
 
 
@@ -299,7 +296,7 @@ def _dpo_worker(name):
 
     tp = int(os.environ["WORLD_SIZE"])
     kwargs = dict(beta=0.5, label_smoothing=0.1)
-    accelerator, model, _, hf = prepare(name, tp, step_class=DPOTrainStep, step_kwargs=kwargs)
+    _, model, _, hf = prepare(name, tp, step_class=DPOTrainStep, step_kwargs=kwargs)
     batch = dpo_batch(hf.config.vocab_size)
     # reference log-probs from the model itself, as a user computes them before training
     for side in ("chosen", "rejected"):
@@ -318,13 +315,12 @@ def _dpo_worker(name):
     g = torch.Generator().manual_seed(3)
     batch["ref_chosen_logps"] = batch["ref_chosen_logps"] + torch.randn(4, generator=g)
     batch["ref_rejected_logps"] = batch["ref_rejected_logps"] + torch.randn(4, generator=g)
-    grads, logs = _engine_grads(accelerator, model, batch)
+    grads, logs = _engine_grads(model, batch)
     hf.zero_grad()
     ref_loss = hf_dpo_loss(hf, batch, **kwargs)
     ref_loss.backward()
-    ref = {k: p.grad for k, p in hf.named_parameters() if p.grad is not None}
-    res.update(names=set(grads) == set(ref), loss=(logs[0]["loss"].item(), ref_loss.item()),
-               grad_max_rel=max(_max_rel(grads[k], ref[k]) for k in ref))
+    names, grad_max_rel = grad_parity(grads, hf, reached_only=True)
+    res.update(names=names, loss=(logs[0]["loss"].item(), ref_loss.item()), grad_max_rel=grad_max_rel)
     return res
 
 
@@ -372,7 +368,7 @@ def _policy_train_worker(name, steps, offload_between, optimizer="adamw", layout
         memory = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
         if offload_between:
             moved = accelerator.offload()
-            engine = accelerator._engine
+            engine = model  # what prepare returned for the HF model
             freed = all(p.untyped_storage().nbytes() == 0 for p in engine.model.parameters())
             if torch.cuda.is_available():  # the device memory is given back, not just the tensors emptied
                 freed = freed and memory - torch.cuda.memory_allocated() >= 0.9 * sum(moved.values())
@@ -455,17 +451,10 @@ def test_streamed_weights_after_policy_training_match_hf(name):
 # -- bad input ----------------------------------------------------------------------------------------
 def _bad_inputs_worker():
     from megatron_plugin.engine.offload import WeightSnapshot
-    from megatron_plugin.errors import MegatronPluginConfigError
     from train_steps import DPOTrainStep, GPTTrainStep, PolicyGradientTrainStep
 
     errors = {}
-
-    def expect(key, fn):
-        try:
-            fn()
-            errors[key] = None
-        except MegatronPluginConfigError as e:
-            errors[key] = str(e)
+    expect = expecter(errors, message_only=True)
 
     accelerator, model, _, hf = prepare("tied", 1, step_class=PolicyGradientTrainStep, step_kwargs={"kl_coef": 0.1})
     batch = causal_batch(hf.config.vocab_size)
@@ -496,7 +485,7 @@ def _bad_inputs_worker():
             inner = super().get_loss_func(*args, **kwargs)
 
             def loss_func(*a):
-                accelerator._engine.offload()
+                model.offload()  # the engine prepared below, mid-step
                 return inner(*a)
 
             return loss_func
@@ -508,7 +497,7 @@ def _bad_inputs_worker():
     GradientState._reset_state()
     accelerator, model, _, hf = prepare("tied", 1, step_class=OffloadInStep)
     expect("offload_in_step", lambda: model(**causal_batch(hf.config.vocab_size)))
-    errors["not_offloaded_after"] = not accelerator._engine.is_offloaded
+    errors["not_offloaded_after"] = not model.is_offloaded
     return errors
 
 
@@ -531,12 +520,12 @@ def test_post_training_bad_inputs_are_named():
 
 
 def _dpo_bad_worker():
-    from megatron_plugin.errors import MegatronPluginConfigError
     from train_steps import DPOTrainStep
 
     _, model, _, hf = prepare("tied", 1, step_class=DPOTrainStep)
     batch = dpo_batch(hf.config.vocab_size)
     errors = {}
+    expect = expecter(errors, message_only=True)
     for key, change in {
         "missing_ref": lambda b: b,
         "labels_length": lambda b: dict(b, rejected_labels=b["rejected_labels"][:, :-1]),
@@ -545,11 +534,7 @@ def _dpo_bad_worker():
         "positive_ref": lambda b: dict(b, ref_rejected_logps=torch.full((4,), 2.0)),
     }.items():
         b = dict(batch) if key == "missing_ref" else dict(batch, ref_chosen_logps=torch.zeros(4), ref_rejected_logps=torch.zeros(4))
-        try:
-            model(**change(b))
-            errors[key] = None
-        except MegatronPluginConfigError as e:
-            errors[key] = str(e)
+        expect(key, model, **change(b))
     return errors
 
 
@@ -566,7 +551,6 @@ def _kwargs_worker():
     from megatron.core import parallel_state
 
     from megatron_plugin import Accelerator, MegatronLMPlugin
-    from megatron_plugin.errors import MegatronPluginConfigError
     from train_steps import DPOTrainStep, PolicyGradientTrainStep
 
     cases = [
@@ -579,17 +563,14 @@ def _kwargs_worker():
     from train_steps import GPTTrainStep
 
     cases += [(PolicyGradientTrainStep, {}, "t5"), (GPTTrainStep, {}, "bert")]  # steps of another family
-    out = []
-    for cls, kwargs, *model in cases:
+    out = {}
+    expect = expecter(out, state=lambda i: parallel_state.model_parallel_is_initialized())
+    for i, (cls, kwargs, *model) in enumerate(cases):
         plugin = MegatronLMPlugin(custom_train_step_class=cls, custom_train_step_kwargs=kwargs)
         hf = {"t5": lambda: tiny_t5(), "bert": lambda: tiny_bert()}[model[0]]() if model else tiny_gpt2()
         loader = DataLoader([{"input_ids": torch.zeros(4, dtype=torch.long)}] * 4, batch_size=2)
-        try:
-            Accelerator(megatron_lm_plugin=plugin).prepare(hf, torch.optim.AdamW(hf.parameters()), loader)
-            out.append(None)
-        except MegatronPluginConfigError as e:
-            out.append((str(e), parallel_state.model_parallel_is_initialized()))
-    return out
+        expect(i, lambda: Accelerator(megatron_lm_plugin=plugin).prepare(hf, torch.optim.AdamW(hf.parameters()), loader))
+    return list(out.values())
 
 
 def test_step_kwargs_are_checked_at_prepare():
@@ -597,7 +578,7 @@ def test_step_kwargs_are_checked_at_prepare():
     names = ["clip_range", "loss_aggregation", "kl_coeff", "beta", "label_smoothing",
              "PolicyGradientTrainStep.*T5TrainStep", "GPTTrainStep.*BertTrainStep"]
     assert len(got) == len(names)
-    for (message, initialized), name in zip(got, names):
+    for (_, message, initialized), name in zip(got, names):
         assert re.search(name, message) and not initialized, (name, message)
 
 
@@ -642,7 +623,6 @@ def test_weight_streaming_gathers_one_tensor_at_a_time():
 def _reference_worker(swap, tp=2, layout=None):
     """KL to the initial policy: reference log-probs from a weight snapshot swapped in (`swap`), or computed
     for every batch up front, before training (the plain way, possible here as the batches are known)."""
-    from megatron_plugin.errors import MegatronPluginConfigError
     from train_steps import PolicyGradientTrainStep
 
     accelerator, model, opt, hf = prepare("llama", tp, step_class=PolicyGradientTrainStep, step_kwargs={"kl_coef": 0.1},
@@ -659,14 +639,11 @@ def _reference_worker(swap, tp=2, layout=None):
             with accelerator.use_weights(snapshot):
                 batch["ref_log_probs"] = model.compute_log_probs(batch)
                 if step == 2:
+                    refused = expecter(res["refused"], message_only=True)
                     for what, fn in {"train": lambda: model.train()(**batch), "offload": accelerator.offload,
                                      "save": lambda: accelerator.save_state("/nonexistent/never"),
                                      "snapshot": accelerator.snapshot_weights}.items():
-                        try:
-                            fn()
-                            res["refused"][what] = None
-                        except MegatronPluginConfigError as e:
-                            res["refused"][what] = str(e)
+                        refused(what, fn)
                     model.eval()
                     res["eval_inside"] = bool(torch.isfinite(model(**batch).loss))
         else:

@@ -33,10 +33,17 @@ def test_fp32_wgrad_accumulates_into_main_grad():
 def test_install_supplies_the_extension_to_megatron_core():
     from megatron.core.tensor_parallel import layers
 
-    wgrad.install()
-    assert layers._grad_accum_fusion_available
-    assert layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 is not None
-    assert wgrad.install() is False  # installed once; apex's own would also be left alone
+    from megatron_plugin import patches
+
+    before = (layers._grad_accum_fusion_available, getattr(layers, "fused_weight_gradient_mlp_cuda", None))
+    patches.install("wgrad_fusion")
+    try:
+        assert layers._grad_accum_fusion_available
+        assert layers.fused_weight_gradient_mlp_cuda.wgrad_gemm_accum_fp32 is not None
+        assert patches.install("wgrad_fusion") == []  # installed once; apex's own would also be left alone
+    finally:
+        patches.undo("wgrad_fusion")
+    assert (layers._grad_accum_fusion_available, getattr(layers, "fused_weight_gradient_mlp_cuda", None)) == before
 
 
 class _Block(torch.nn.Module):

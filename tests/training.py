@@ -122,6 +122,26 @@ def optimizer_for(model, weight_decay=0.1, trainable_only=False):
 FROZEN = ("transformer.wte.", "transformer.h.0.attn.")
 
 
+def prepared_gpt2(steps_before=1):
+    """A tiny GPT-2 prepared on one process (CPU engine) and trained `steps_before` steps: (accelerator,
+    engine, the loader's remaining batches), for tests of what happens around a step (checkpoints)."""
+    from torch.utils.data import DataLoader
+
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+    model = tiny_gpt2()
+    opt = optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin())
+    engine, opt, sched, loader = acc.prepare(
+        model, opt, MegatronLMDummyScheduler(opt, total_num_steps=10), DataLoader(token_dataset(24, 1000), batch_size=4)
+    )
+    engine.train()
+    batches = iter(loader)
+    for _ in range(steps_before):
+        engine(**next(batches))
+    return acc, engine, batches
+
+
 def freeze(model, prefixes):
     for name, p in model.named_parameters():
         if name.startswith(prefixes):

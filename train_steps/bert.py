@@ -4,6 +4,9 @@ import torch
 import torch.nn.functional as F
 from transformers.modeling_outputs import MaskedLMOutput
 
+from megatron_plugin.errors import MegatronPluginConfigError
+from megatron_plugin.models.bert import bert_inputs
+
 from .base import AbstractTrainStep
 from .gpt import IGNORE_INDEX, unwrap_model
 from .utils import avg_losses_across_data_parallel_group
@@ -36,23 +39,20 @@ class BertTrainStep(AbstractTrainStep):
     def get_batch_func(self, *args, **kwargs):
         def get_batch(data_iterator):
             """-> tokens, token types, sentence order (or None), loss mask, labels (0 where ignored), padding mask"""
-            from megatron_plugin.errors import MegatronPluginConfigError
-            from megatron_plugin.layers.masks import padding_mask
-
             data = next(data_iterator)
-            tokens = data["input_ids"].long()
-            types = data.get("token_type_ids")
+            # positions stay the model's 0..s-1: this step's get_batch (a public API) has no slot for them
+            inputs = bert_inputs(data["input_ids"], data.get("attention_mask"), data.get("token_type_ids"))
             labels = data.get("labels")
-            labels = torch.full_like(tokens, IGNORE_INDEX) if labels is None else labels.long()
+            labels = torch.full_like(inputs.tokens, IGNORE_INDEX) if labels is None else labels.long()
             sentence_order = data.get("next_sentence_label")
             if sentence_order is not None and not self.binary_head:
                 raise MegatronPluginConfigError(
                     "next_sentence_label", "in the batch",
                     "the model has no binary (next-sentence) head: train a ...ForPreTraining model, or drop the key",
                 )
-            padding = padding_mask(data.get("attention_mask"))
             loss_mask = (labels != IGNORE_INDEX).float()
-            return tokens, types, sentence_order, loss_mask, labels.clamp_min(0), padding
+            labels = labels.clamp_min(0)
+            return inputs.tokens, inputs.token_types, sentence_order, loss_mask, labels, inputs.padding_mask
 
         return get_batch
 

@@ -7,9 +7,11 @@ from functools import partial
 import torch
 import torch.nn.functional as F
 
+from megatron_plugin.errors import MegatronPluginConfigError
+
 from .gpt import IGNORE_INDEX, GPTTrainStep
-from .policy import PolicyOutput, _error, check_known, check_number
-from .utils import avg_losses_across_data_parallel_group, per_token_log_probs, shift_to_tokens
+from .policy import PolicyOutput, check_known, check_number
+from .utils import avg_losses_across_data_parallel_group, per_token_log_probs
 
 SIDES = ("chosen", "rejected")
 
@@ -75,7 +77,8 @@ class DPOTrainStep(GPTTrainStep):
         ls = kwargs.get("label_smoothing", 0.0)
         check_number("label_smoothing", ls)
         if ls >= 0.5:
-            raise _error("custom_train_step_kwargs['label_smoothing']", ls, "pass a value in [0, 0.5)")
+            raise MegatronPluginConfigError("custom_train_step_kwargs['label_smoothing']", ls,
+                                            "pass a value in [0, 0.5)")
 
     def schedule_shape(self, micro_batch):
         rows = micro_batch["chosen_input_ids"].shape[0]
@@ -90,29 +93,36 @@ class DPOTrainStep(GPTTrainStep):
                 how = ("the reference model's summed log-probs of that side's labelled tokens: "
                        "model.compute_log_probs(...).sum(-1) before training") if key.startswith("ref") else \
                       "the tokenized prompt + response of that side"
-                return _error(f"batch[{key!r}]", "missing", f"DPOTrainStep needs it: {how}")
+                return MegatronPluginConfigError(f"batch[{key!r}]", "missing", f"DPOTrainStep needs it: {how}")
         rows = batch["chosen_input_ids"].shape[0]
         for side in SIDES:
             ids = batch[f"{side}_input_ids"]
             if ids.dim() != 2 or ids.shape[0] != rows:
-                return _error(f"batch['{side}_input_ids']", tuple(ids.shape), f"pass [{rows}, tokens]: one row per pair")
+                return MegatronPluginConfigError(f"batch['{side}_input_ids']", tuple(ids.shape),
+                                                 f"pass [{rows}, tokens]: one row per pair")
             for key in (f"{side}_attention_mask", f"{side}_labels"):
                 t = batch.get(key)
                 if torch.is_tensor(t) and t.shape != ids.shape:
-                    return _error(f"batch[{key!r}]", tuple(t.shape),
-                                  f"it must have the shape of {side}_input_ids, {tuple(ids.shape)}: pad both alike")
+                    return MegatronPluginConfigError(
+                        f"batch[{key!r}]", tuple(t.shape),
+                        f"it must have the shape of {side}_input_ids, {tuple(ids.shape)}: pad both alike"
+                    )
             empty = ((_labels(batch, side)[:, 1:] != IGNORE_INDEX).sum(-1) == 0).nonzero()
             if len(empty):
-                return _error(f"batch['{side}_labels']", f"row {int(empty[0])} has no labelled token",
-                              "each pair needs response tokens on both sides (were they cut by max_length?)")
+                return MegatronPluginConfigError(
+                    f"batch['{side}_labels']", f"row {int(empty[0])} has no labelled token",
+                    "each pair needs response tokens on both sides (were they cut by max_length?)"
+                )
         for key in ("ref_chosen_logps", "ref_rejected_logps"):
             t = batch[key]
             if tuple(t.shape) != (rows,) or not t.is_floating_point() or not torch.isfinite(t).all():
-                return _error(f"batch[{key!r}]", f"{t.dtype} {tuple(t.shape)}",
-                              f"pass [{rows}] finite floats: one summed log-prob per pair")
+                return MegatronPluginConfigError(f"batch[{key!r}]", f"{t.dtype} {tuple(t.shape)}",
+                                                 f"pass [{rows}] finite floats: one summed log-prob per pair")
             if (t > 1e-3).any():
-                return _error(f"batch[{key!r}]", f"a value of {t.max().item():.4g} > 0",
-                              "summed log-probabilities are <= 0: pass model.compute_log_probs(...).sum(-1)")
+                return MegatronPluginConfigError(
+                    f"batch[{key!r}]", f"a value of {t.max().item():.4g} > 0",
+                    "summed log-probabilities are <= 0: pass model.compute_log_probs(...).sum(-1)"
+                )
         return None
 
     def get_forward_step_func(self):

@@ -3,6 +3,9 @@ from functools import partial
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
+from megatron_plugin.errors import MegatronPluginConfigError
+from megatron_plugin.models.causal import causal_lm_inputs
+
 from .base import AbstractTrainStep
 from .utils import avg_losses_across_data_parallel_group
 
@@ -14,12 +17,6 @@ def unwrap_model(model):
     while not hasattr(model, "compute_language_model_loss") and hasattr(model, "module"):
         model = model.module
     return model
-
-
-def _attention_mask_4d(mask, seq_len, position_ids=None):
-    from megatron_plugin.layers.masks import attention_mask_4d
-
-    return attention_mask_4d(mask, seq_len, position_ids)
 
 
 class GPTTrainStep(AbstractTrainStep):
@@ -62,8 +59,6 @@ class GPTTrainStep(AbstractTrainStep):
     def check_batch(self, batch):
         given, ids = batch.get("shift_labels"), batch.get("input_ids")
         if torch.is_tensor(given) and torch.is_tensor(ids) and given.shape != ids.shape:
-            from megatron_plugin.errors import MegatronPluginConfigError
-
             return MegatronPluginConfigError(
                 "batch['shift_labels']", tuple(given.shape),
                 f"pass one target per token, shaped like input_ids {tuple(ids.shape)} (-100 where none)",
@@ -74,14 +69,11 @@ class GPTTrainStep(AbstractTrainStep):
         def get_batch(data_iterator):
             """-> tokens, labels (ignored positions set to 0), loss_mask, attention_mask, position_ids"""
             data = next(data_iterator)
-            tokens = data["input_ids"].long()
-            mask = data.get("attention_mask")
+            tokens, position_ids, attention_mask = causal_lm_inputs(
+                data["input_ids"], data.get("attention_mask"), data.get("position_ids")
+            )
             shifted = self._shifted_labels(data).long()
             loss_mask = (shifted != IGNORE_INDEX).float()
-            b, s = tokens.shape
-            given = data.get("position_ids")  # HF semantics: absent means 0..s-1; restarts mean packed sequences
-            attention_mask = _attention_mask_4d(mask, s, given)
-            position_ids = given.long() if given is not None else torch.arange(s, device=tokens.device).unsqueeze(0).expand(b, s)
             return tokens, shifted.clamp_min(0), loss_mask, attention_mask, position_ids
 
         return get_batch

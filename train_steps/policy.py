@@ -16,6 +16,8 @@ from typing import Optional
 import torch
 from transformers.utils import ModelOutput
 
+from megatron_plugin.errors import MegatronPluginConfigError
+
 from .gpt import IGNORE_INDEX, GPTTrainStep
 from .utils import avg_losses_across_data_parallel_group, per_token_log_probs, shift_to_tokens
 
@@ -49,23 +51,17 @@ def aggregate(per_token, mask, how: str):
     return (per_seq * rows).sum() / rows.sum().clamp_min(1.0)
 
 
-def _error(setting, value, fix):
-    from megatron_plugin.errors import MegatronPluginConfigError
-
-    return MegatronPluginConfigError(setting, value, fix)
-
-
 def check_number(name, value, low=0.0, inclusive=True):
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
     if not ok or value < low or (value == low and not inclusive):
-        raise _error(f"custom_train_step_kwargs[{name!r}]", value,
-                     f"pass a finite number {'>=' if inclusive else '>'} {low}")
+        raise MegatronPluginConfigError(f"custom_train_step_kwargs[{name!r}]", value,
+                                        f"pass a finite number {'>=' if inclusive else '>'} {low}")
 
 
 def check_known(cls, kwargs, known):
     unknown = sorted(set(kwargs) - set(known))
     if unknown:
-        raise _error("custom_train_step_kwargs", unknown, f"{cls.__name__} takes {sorted(known)}")
+        raise MegatronPluginConfigError("custom_train_step_kwargs", unknown, f"{cls.__name__} takes {sorted(known)}")
 
 
 NONFINITE_FIX = {"advantages": "check the advantage computation (e.g. GRPO's division by a group's reward std of 0: "
@@ -79,16 +75,21 @@ def check_per_token(batch, key, rows, tokens, allow_per_row=False):
         return None
     shapes = [(rows, tokens)] + ([(rows,)] if allow_per_row else [])
     if tuple(t.shape) not in shapes:
-        return _error(f"batch[{key!r}]", tuple(t.shape),
-                      f"it must be {' or '.join(str(s) for s in shapes)}: one value per token of input_ids"
-                      + (" (or one per sequence)" if allow_per_row else ""))
+        return MegatronPluginConfigError(
+            f"batch[{key!r}]", tuple(t.shape),
+            f"it must be {' or '.join(str(s) for s in shapes)}: one value per token of input_ids"
+            + (" (or one per sequence)" if allow_per_row else "")
+        )
     if not t.is_floating_point():
-        return _error(f"batch[{key!r}]", t.dtype, "pass floating-point values")
+        return MegatronPluginConfigError(f"batch[{key!r}]", t.dtype, "pass floating-point values")
     if not torch.isfinite(t).all():
-        return _error(f"batch[{key!r}]", "contains nan or inf", NONFINITE_FIX.get(key, "check how it was computed"))
+        return MegatronPluginConfigError(f"batch[{key!r}]", "contains nan or inf",
+                                         NONFINITE_FIX.get(key, "check how it was computed"))
     if key.endswith("log_probs") and (t > 1e-3).any():
-        return _error(f"batch[{key!r}]", f"a value of {t.max().item():.4g} > 0",
-                      "log-probabilities are <= 0: pass model.compute_log_probs(batch), not probabilities")
+        return MegatronPluginConfigError(
+            f"batch[{key!r}]", f"a value of {t.max().item():.4g} > 0",
+            "log-probabilities are <= 0: pass model.compute_log_probs(batch), not probabilities"
+        )
     return None
 
 
@@ -142,7 +143,8 @@ class PolicyGradientTrainStep(GPTTrainStep):
         check_number("temperature", kwargs.get("temperature", 1.0), 0.0, inclusive=False)
         how = kwargs.get("loss_aggregation", "token-mean")
         if how not in AGGREGATIONS:
-            raise _error("custom_train_step_kwargs['loss_aggregation']", how, f"use one of {list(AGGREGATIONS)}")
+            raise MegatronPluginConfigError("custom_train_step_kwargs['loss_aggregation']", how,
+                                            f"use one of {list(AGGREGATIONS)}")
 
     def check_batch(self, batch):
         ids = batch.get("input_ids")
@@ -156,7 +158,8 @@ class PolicyGradientTrainStep(GPTTrainStep):
                     "advantages": "the per-token (or per-sequence) advantages, e.g. GRPO's group-normalized rewards",
                     "ref_log_probs": "model.compute_log_probs(batch) of the reference model (or set kl_coef=0)",
                 }[key]
-                return _error(f"batch[{key!r}]", "missing", f"{type(self).__name__} needs it: add {how}")
+                return MegatronPluginConfigError(f"batch[{key!r}]", "missing",
+                                                 f"{type(self).__name__} needs it: add {how}")
         for key in ("old_log_probs", "ref_log_probs", "advantages"):
             error = check_per_token(batch, key, rows, tokens, allow_per_row=key == "advantages")
             if error is not None:

@@ -1,7 +1,9 @@
 from functools import partial
 
-import torch
 from transformers.modeling_outputs import Seq2SeqLMOutput
+
+from megatron_plugin.errors import MegatronPluginConfigError
+from megatron_plugin.models.t5 import t5_inputs
 
 from .base import AbstractTrainStep
 from .gpt import IGNORE_INDEX, unwrap_model
@@ -32,20 +34,18 @@ class T5TrainStep(AbstractTrainStep):
     def get_batch_func(self, *args, **kwargs):
         def get_batch(data_iterator):
             """-> encoder ids, decoder ids, labels (0 where ignored), loss mask, encoder/decoder/cross masks"""
-            from megatron_plugin.errors import MegatronPluginConfigError
-            from megatron_plugin.models.t5 import shift_right, t5_masks
-
             data = next(data_iterator)
             labels = data.get("labels")
-            decoder_ids = data.get("decoder_input_ids")
             if labels is None:
                 raise MegatronPluginConfigError("labels", None, "a T5 training batch needs labels (the target token ids)")
             labels = labels.long()
-            if decoder_ids is None:
-                decoder_ids = shift_right(labels, self.decoder_start_token_id, self.pad_token_id)
-            enc, dec, cross = t5_masks(data.get("attention_mask"), data.get("decoder_attention_mask"), decoder_ids.shape[1])
+            enc_ids, dec_ids, enc, dec, cross = t5_inputs(
+                data["input_ids"], data.get("attention_mask"), data.get("decoder_input_ids"),
+                data.get("decoder_attention_mask"), labels,
+                decoder_start_token_id=self.decoder_start_token_id, pad_token_id=self.pad_token_id,
+            )
             loss_mask = (labels != IGNORE_INDEX).float()
-            return data["input_ids"].long(), decoder_ids.long(), labels.clamp_min(0), loss_mask, enc, dec, cross
+            return enc_ids, dec_ids, labels.clamp_min(0), loss_mask, enc, dec, cross
 
         return get_batch
 

@@ -15,7 +15,7 @@ from typing import Tuple
 import torch
 import torch.distributed as dist
 
-from .foreach_ops import multi_tensor_l2norm
+from ..layers.foreach_ops import multi_tensor_l2norm
 
 
 def _subs(megatron_optimizer):

@@ -5,38 +5,16 @@ from __future__ import annotations
 import os
 import random
 import socket
-import warnings
-from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from megatron.core import parallel_state, tensor_parallel
 
+from .. import patches
+from ..layout import Layout, current_layout
+from ..models import check_model
 from ..plugin import MegatronLMPlugin
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where this process sits in the TP x PP x DP grid."""
-
-    world_size: int
-    rank: int
-    tp_size: int
-    tp_rank: int
-    pp_size: int
-    pp_rank: int
-    dp_size: int
-    dp_rank: int
-    device: torch.device
-
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
 
 
 def _free_port() -> int:
@@ -50,33 +28,32 @@ def world_size_from_env() -> int:
 
 
 def init_process_group(timeout_minutes: int = 30) -> torch.device:
-    """Start torch.distributed from the launcher's environment (a world of one when there is none)."""
+    """Start torch.distributed from the launcher's environment (a world of one when there is none; the
+    environment is left as it was)."""
     use_cuda = torch.cuda.is_available()
     if use_cuda:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
     else:
         device = torch.device("cpu")
-        # mcore's linears recommend this CUDA setting on every call; it means nothing on CPU
-        warnings.filterwarnings("ignore", message=".*CUDA_DEVICE_MAX_CONNECTIONS.*")
     if not dist.is_initialized():
-        if "RANK" not in os.environ:
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
         from datetime import timedelta
 
+        alone = {} if "RANK" in os.environ else dict(
+            init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1)
         dist.init_process_group(
             backend="nccl" if use_cuda else "gloo",
             timeout=timedelta(minutes=timeout_minutes),
             device_id=device if use_cuda else None,
+            **alone,
         )
     return device
 
 
 def initialize(plugin: MegatronLMPlugin, hf_config=None) -> Layout:
-    """Validate the plugin against the launch (and the model, when given), then build
-    torch.distributed and mcore's groups.
+    """Validate the plugin against the launch (and the model, when given: then also install the patches
+    its models need), then `start`: for scripts and tests that build models themselves (`prepare` checks
+    once, in `resolve`, installs, then starts).
 
     All checks happen before the first collective, so a bad layout raises on every rank instead of
     leaving some ranks waiting for others.
@@ -85,9 +62,15 @@ def initialize(plugin: MegatronLMPlugin, hf_config=None) -> Layout:
     plugin.validate(world_size=world_size)
     num_layers = None
     if hf_config is not None:
-        from ..models import check_model
+        family = check_model(plugin, hf_config)
+        num_layers = family.num_layers(hf_config)
+        patches.install(*patches.for_run("cuda" if torch.cuda.is_available() else "cpu", rotary=family.rotary,
+                                         wgrad_fusion=bool(plugin.gradient_accumulation_fusion)))
+    return start(plugin, num_layers)
 
-        num_layers = check_model(plugin, hf_config).transformer_config(hf_config)["num_layers"]
+
+def start(plugin: MegatronLMPlugin, num_layers=None) -> Layout:
+    """Collective: torch.distributed, mcore's TP x PP x DP groups and the seeds, from checked settings."""
     device = init_process_group()
     if not parallel_state.model_parallel_is_initialized():
         vpp = plugin.virtual_pipeline_stages(num_layers) if num_layers else None
@@ -101,21 +84,6 @@ def initialize(plugin: MegatronLMPlugin, hf_config=None) -> Layout:
         )
     set_seed(plugin.seed)
     return current_layout(device)
-
-
-def current_layout(device: torch.device | None = None) -> Layout:
-    ps = parallel_state
-    return Layout(
-        world_size=dist.get_world_size(),
-        rank=dist.get_rank(),
-        tp_size=ps.get_tensor_model_parallel_world_size(),
-        tp_rank=ps.get_tensor_model_parallel_rank(),
-        pp_size=ps.get_pipeline_model_parallel_world_size(),
-        pp_rank=ps.get_pipeline_model_parallel_rank(),
-        dp_size=ps.get_data_parallel_world_size(),
-        dp_rank=ps.get_data_parallel_rank(),
-        device=device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")),
-    )
 
 
 def set_seed(seed: int) -> None:

@@ -18,7 +18,10 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from ..errors import MegatronPluginConfigError
+from ..fs import check_writable
 from ..models.convert import _mcore_state, hf_tensor_headers, iter_hf_tensors
+from .checkpointing.collective import agree
+from .hf_io import HFShardWriter, parse_size
 
 
 def iter_hf_weights(engine, grads: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -67,10 +70,6 @@ def _plan_check(engine):
 def save_model(engine, save_directory: str, max_shard_size="10GB", safe_serialization: bool = True) -> str:
     """Write the model as an HF checkpoint (config, sharded safetensors, index) that `from_pretrained`
     loads. Collective over every rank; only global rank 0 writes, one shard in memory at a time."""
-    from ..fs import check_writable
-    from .checkpoint import agree
-    from .hf_io import HFShardWriter, parse_size
-
     _plan_check(engine)
     if not safe_serialization:
         raise MegatronPluginConfigError("safe_serialization", False, "save_model writes safetensors only: pass True")

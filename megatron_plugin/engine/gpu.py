@@ -20,9 +20,9 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
-from .cpu import MegatronEngine, _average_logs
+from .base import MegatronEngine, average_logs
 from ..errors import MegatronPluginConfigError
-from . import device_clip, foreach_ops
+from . import device_clip
 from .grad_buffers import GradBufferReset
 from .optimizer import check_optimizer, use_fused_adam
 from .scheduler import build_scheduler
@@ -96,10 +96,9 @@ class MegatronCoreEngine(MegatronEngine):
                 module = Float16Module(config, module)
             # only the first chunk buckets: later chunks' grads are ready last (Megatron-LM does the same)
             wrapped.append(DistributedDataParallel(config, ddp_config, module, disable_bucketing=i > 0))
-        foreach_ops.install()
         optimizer = get_megatron_optimizer(optimizer_config(user_optimizer, plugin, dtype), wrapped)
         use_fused_adam(optimizer)
-        self._clip_on_device = device_clip.supported(optimizer)
+        self.clip_on_device = device_clip.supported(optimizer)
         scheduler = build_scheduler(dummy_scheduler, optimizer, plugin) if dummy_scheduler is not None else None
 
         sync = [m.no_sync for m in wrapped]
@@ -144,7 +143,7 @@ class MegatronCoreEngine(MegatronEngine):
             forward_only=forward_only,
         )
 
-    def _can_defer_batch_check(self) -> bool:
+    def can_defer_batch_check(self) -> bool:
         # with pipelining a stage that raised after its forward would leave its peers waiting in p2p
         return parallel_state.get_pipeline_model_parallel_world_size() == 1
 
@@ -158,7 +157,7 @@ class MegatronCoreEngine(MegatronEngine):
             r.reset()
         self.optimizer.zero_grad()
         collected = self._run_schedule(micro_batches, forward_only=False)
-        if self._clip_on_device:
+        if self.clip_on_device:
             # the norm and the skip flag stay on the device (read when asked); the LR schedule moves on
             # as mcore's does under bf16, where a step is never reported skipped
             self.last_grad_norm, self.last_step_skipped = device_clip.step(self.optimizer)
@@ -169,24 +168,24 @@ class MegatronCoreEngine(MegatronEngine):
         if ok and self.scheduler is not None:
             self.scheduler.step(1)
         self.iteration += 1
-        return self._share_from_last_stage(_average_logs(collected))
+        return self._share_from_last_stage(average_logs(collected))
 
     def _eval_step(self, micro_batches):
         collected = self._run_schedule(micro_batches, forward_only=True)
         logits = self._collect_logits(collected) if parallel_state.is_pipeline_last_stage(ignore_virtual=True) else None
-        return self._share_from_last_stage(_average_logs(collected)), logits
+        return self._share_from_last_stage(average_logs(collected)), logits
 
-    def _forward_only(self, micro_batches, forward_step):
-        return self._run_schedule(micro_batches, forward_only=True, forward_step=forward_step, step=self._logits_step())
+    def run_forward_only(self, micro_batches, forward_step=None, step=None):
+        return self._run_schedule(micro_batches, forward_only=True, forward_step=forward_step, step=step)
 
-    def _rows(self, collected, key):
+    def gather_rows(self, collected, key):
         """The micro-batches' [b, s] outputs, concatenated on the last stage and sent to the other stages."""
         if parallel_state.get_pipeline_model_parallel_world_size() == 1:
-            return super()._rows(collected, key)
+            return super().gather_rows(collected, key)
         last = parallel_state.is_pipeline_last_stage(ignore_virtual=True)
         group = parallel_state.get_pipeline_model_parallel_group()
         src = parallel_state.get_pipeline_model_parallel_last_rank()
-        out = super()._rows(collected, key).float().contiguous() if last else None
+        out = super().gather_rows(collected, key).float().contiguous() if last else None
         shape = [tuple(out.shape) if last else None]
         dist.broadcast_object_list(shape, src=src, group=group)
         if not last:

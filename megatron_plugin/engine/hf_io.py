@@ -12,12 +12,13 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
-from .checkpoint import chunk_key, model_file, read_meta, resolve_checkpoint, verify_file
-from ..models.convert import model_dims
 from ..errors import MegatronPluginConfigError
 from ..models import get_family
-from ..models.mapping import StagePlan, TRANSFORMS, expand, unshard
+from ..models.convert import model_dims
+from ..models.mapping import TRANSFORMS, StagePlan, TensorSlice, expand, unshard
+from .checkpointing.layout import chunk_key, model_file, read_meta, resolve_checkpoint, verify_file
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -114,19 +115,6 @@ class HFReader:
             with _open_safetensors(file, self.setting) as f:
                 return _CheckedSlice(f.get_slice(key), key, file, self.setting)
         return TensorSlice(self.get(name))
-
-
-class TensorSlice:
-    """The `get_slice` interface over a tensor already in memory."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.tensor = tensor
-
-    def get_shape(self):
-        return list(self.tensor.shape)
-
-    def __getitem__(self, index):
-        return self.tensor[index]
 
 
 class _CheckedSlice:
@@ -267,8 +255,6 @@ class HFShardWriter:
         self.total += nbytes
 
     def _flush(self):
-        from safetensors.torch import save_file
-
         if self.current:
             file = os.path.join(self.out, f".shard-{len(self.shards):05d}.tmp")
             save_file(self.current, file, metadata={"format": "pt"})

@@ -3,12 +3,18 @@
 The train step says how a batch becomes logits and which token each position scores
 (`forward_logits`); here those logits become token-aligned log p(token) without the vocabulary ever
 being gathered: each TP rank reduces its own slice, and a few numbers per position cross ranks.
+
+`LogProbs` is the engine's `compute_log_probs`. How the micro-batches run forward only and how their
+rows reach every rank is the engine's (`run_forward_only`, `gather_rows`): the CUDA engine runs them
+through the pipeline schedule and sends the last stage's rows to the other stages.
 """
 
 from __future__ import annotations
 
 import math
 from functools import partial
+
+import torch
 
 from ..errors import MegatronPluginConfigError
 
@@ -42,3 +48,51 @@ def log_prob_forward_step(step, true_vocab: int, temperature: float, entropy: bo
         return output, partial(_loss, targets, shift, true_vocab, temperature, entropy)
 
     return forward_step
+
+
+class LogProbs:
+    """Per-token log-probabilities (and entropy) of a batch under an engine's model, forward only."""
+
+    def __init__(self):
+        self._family_step = None  # the family's own step, for log-probs when the user's step has no logits
+
+    def compute(self, engine, batch, temperature: float = 1.0, entropy: bool = False):
+        """See `MegatronEngine.compute_log_probs`."""
+        engine.check_ready("compute_log_probs", swapped_ok=True)
+        temperature = check_temperature(temperature)
+        if not isinstance(entropy, bool):
+            raise MegatronPluginConfigError("entropy", entropy, "pass True or False")
+        step = self.logits_step(engine)
+        micro_batches = engine.micro_batches(batch, step)
+        engine.check_batch(batch, step, micro_batches, need_loss=False)
+        forward_step = log_prob_forward_step(step, engine.model.hf_config.vocab_size, temperature, entropy)
+        was_training = engine.training
+        engine.train(False)
+        try:
+            with engine.post_training.busy(), engine.rng.active(), torch.no_grad():
+                collected = engine.run_forward_only(micro_batches, forward_step, step)
+        finally:
+            engine.train(was_training)
+        log_probs = engine.gather_rows(collected, "log_probs")
+        return (log_probs, engine.gather_rows(collected, "entropy")) if entropy else log_probs
+
+    def logits_step(self, engine):
+        """The train step to ask for logits: the user's, if it (or its base class) defines
+        `forward_logits` for plain batches (input_ids first), else the family's own step."""
+        from train_steps.base import AbstractTrainStep
+
+        model = engine.model
+        family = model.family
+        if model.variant not in family.trainable_variants:
+            raise MegatronPluginConfigError(
+                "model", family.classes.get(model.variant, model.variant),
+                "log-probabilities need the model's LM head: prepare a model with one (e.g. ...ForCausalLM)",
+            )
+        handler = engine.train_step_handler
+        if type(handler).forward_logits is not AbstractTrainStep.forward_logits and handler.input_key == "input_ids":
+            return handler
+        if self._family_step is None:
+            import train_steps
+
+            self._family_step = getattr(train_steps, family.train_step)(engine.megatron_args)
+        return self._family_step

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -25,7 +25,6 @@ from megatron.core import parallel_state
 
 from ..errors import MegatronPluginConfigError
 from ..layers.comm import gather_tensor_parallel_last_dim
-from ..layers.masks import padding_mask
 from .cache import DecodeState, kv_cache
 
 
@@ -161,13 +160,18 @@ class Decoder:
         self.hidden = model.config.hidden_size
         self.dtype = model.config.params_dtype
 
-    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def run(self, tokens: torch.Tensor, past: int = 0) -> torch.Tensor:
+        """`tokens` [b, s] after `past` cached positions, made model inputs by the family's conversion, as
+        a training batch is (positions count on from `past`; the cache does the masking)."""
+        return self(*self.model.family.inputs(tokens, past=past))
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         b, s = tokens.shape
         if not self.first:
             h = torch.empty(s, b, self.hidden, dtype=self.dtype, device=self.device)
             dist.recv(h, src=parallel_state.get_pipeline_model_parallel_prev_rank())
             self.module.set_input_tensor(h)
-        out = self.module(tokens, positions, None)
+        out = self.module(tokens, positions, mask)
         if not self.last:
             dist.send(out.contiguous(), dst=parallel_state.get_pipeline_model_parallel_next_rank())
             logits = torch.empty(b, self.vocab, dtype=torch.float32, device=self.device)
@@ -179,7 +183,7 @@ class Decoder:
         return logits
 
 
-def _filter(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     if top_k > 0:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -211,8 +215,9 @@ class _Step:
     def __call__(self, tokens: torch.Tensor, pos: int) -> torch.Tensor:
         if not self.use_graph:
             self.state.offset = pos
-            positions = torch.full_like(tokens, pos)
-            return self.decoder(tokens, positions)
+            return self.decoder.run(tokens, past=pos)
+        # a replay reads its inputs from the buffers it was captured with: positions are written into one
+        # rather than made from `pos`, which the graph would keep as it was at capture
         self.tokens.copy_(tokens)
         self.positions.fill_(pos)
         self.state.position.fill_(pos)
@@ -263,7 +268,7 @@ def generate(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
     module.last_position_logits = True
     try:
         if not use_cache:  # every step recomputes the whole prefix (a check of the cache, and a fallback)
-            step = lambda tokens, pos: decoder(out[:, : pos + 1], torch.arange(pos + 1, device=device)[None].expand(b, -1))
+            step = lambda tokens, pos: decoder.run(out[:, : pos + 1])
             return _sample_loop(decoder, step, state, out, lengths, settings, generator)
         with kv_cache([module], state):
             if settings.num_beams > 1:
@@ -280,7 +285,7 @@ def _choose(logits, settings: Settings, top_p: float, generator):
     if settings.greedy:
         nxt = logits.argmax(-1)
     else:
-        scaled = _filter(logits / settings.temperature, settings.top_k, top_p)
+        scaled = filter_logits(logits / settings.temperature, settings.top_k, top_p)
         nxt = torch.multinomial(scaled.softmax(-1), 1, generator=generator).squeeze(-1)
         if top_p and settings.top_p_decay:
             top_p = max(top_p * settings.top_p_decay, settings.top_p_bound)
@@ -292,13 +297,16 @@ def _seq2seq_generate(model, input_ids, attention_mask, settings: Settings, devi
     decoder_start_token_id and decodes one token per step with its self-attention cached (cross-attention
     keeps the encoder's keys and values). Returns HF's layout: [batch, 1 + new tokens], start token first."""
     module, cfg = model.module, model.hf_config
-    ids = input_ids.to(device).long()
-    enc_mask = None if attention_mask is None else padding_mask(attention_mask.to(device))
-    b, total = ids.shape[0], 1 + settings.max_new_tokens
+    b, total = input_ids.shape[0], 1 + settings.max_new_tokens
     out = torch.full((b, total), settings.pad_token, dtype=torch.long, device=device)
     out[:, 0] = cfg.decoder_start_token_id
     if settings.max_new_tokens == 0:
         return out
+    # the decoder's own inputs go in one step at a time below; the conversion gives the encoder's and the
+    # cross-attention mask, as it does for a training batch
+    inputs = model.family.inputs(input_ids.to(device), None if attention_mask is None else attention_mask.to(device),
+                                 decoder_input_ids=out[:, :1])
+    enc_mask = inputs.cross_mask
     state = DecodeState(max_len=total, device=device)
     state.cross_mask = None if enc_mask is None else ~enc_mask
     stops = torch.tensor(settings.stop_tokens, dtype=torch.long, device=device)
@@ -306,7 +314,7 @@ def _seq2seq_generate(model, input_ids, attention_mask, settings: Settings, devi
     module.eval()
     module.last_position_logits = True
     try:
-        encoded = module.encode(ids, enc_mask)
+        encoded = module.encode(inputs.encoder_ids, inputs.encoder_mask)
         done = torch.zeros(b, dtype=torch.bool, device=device)
         top_p = settings.top_p
         with kv_cache([module.decoder], state):
@@ -330,9 +338,8 @@ def _seq2seq_generate(model, input_ids, attention_mask, settings: Settings, devi
 def _sample_loop(decoder, step, state, out, lengths, settings: Settings, generator):
     b = out.shape[0]
     start = int(lengths.min())
-    positions = torch.arange(start, device=out.device)[None].expand(b, start)
     state.offset = 0
-    logits = decoder(out[:, :start], positions)
+    logits = decoder.run(out[:, :start])
     done = torch.zeros(b, dtype=torch.bool, device=out.device)
     stops = torch.tensor(settings.stop_tokens, dtype=torch.long, device=out.device)
     top_p = settings.top_p
@@ -359,7 +366,7 @@ def _beam_search(decoder, state, out, prompt_len: int, s: Settings):
     total = out.shape[1]
     keep = max(2, 1 + len(s.stop_tokens)) * k
     state.offset = 0
-    logits = decoder(out[:, :prompt_len], torch.arange(prompt_len, device=device)[None])
+    logits = decoder.run(out[:, :prompt_len])
     for cache in _caches(decoder):  # every beam starts from the prompt's keys and values
         cache.k = cache.k.expand(k, *cache.k.shape[1:]).clone()
         cache.v = cache.v.expand(k, *cache.v.shape[1:]).clone()
@@ -414,7 +421,7 @@ def _beam_search(decoder, state, out, prompt_len: int, s: Settings):
         if not improvable or (bool(finished_done.all()) and s.early_stopping is True) or bool(hit.all()):
             break
         state.offset = cur - 1
-        logits = decoder(running[:, cur - 1:cur], torch.full((k, 1), cur - 1, device=device))
+        logits = decoder.run(running[:, cur - 1:cur], past=cur - 1)
     return finished[:1, : int(finished_len[0])]
 
 

@@ -18,6 +18,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
 from .comm import all_gather_last_dim
+from .context_parallel import check_context_parallel, gather_sequence
 from .masks import causal_mask
 
 
@@ -52,8 +53,7 @@ class SDPAttention(MegatronModule):
         pg_collection=None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise NotImplementedError("SDPAttention does not implement context parallelism yet")
+        check_context_parallel(config.context_parallel_size)
         tp = config.tensor_model_parallel_size
         self.attn_mask_type = attn_mask_type
         self.heads = divide(config.num_attention_heads, tp)
@@ -77,6 +77,8 @@ class SDPAttention(MegatronModule):
     ) -> torch.Tensor:
         if packed_seq_params is not None:
             raise NotImplementedError("packed sequences need Transformer Engine's attention")
+        # a context-parallel rank holds part of the sequence; its queries need every part's keys and values
+        key, value = gather_sequence(key, value, self.config.context_parallel_size)
         mask_type = attn_mask_type if attn_mask_type is not None else self.attn_mask_type
         sq, b = query.shape[0], query.shape[1]
         # [s, b, n, d] -> [b, n, s, d]

@@ -10,7 +10,7 @@ cos, then sin with its first half negated). mcore's unfused rope takes the angle
 sin inside each layer, which a compiled layer recomputes for every element of every head (at Llama-3.2-1B
 the forward rope kernel took 3.9 ms a step; on the tables, 1.3 ms). mcore's attention applies the tables
 through its fused-rope slot (`apply_rope_fusion`, filled with TE's kernel when TE is installed), which
-`install` fills with `apply_cos_sin`: the same arithmetic as mcore's unfused path, on cos and sin already
+`patches.py` fills with `apply_cos_sin`: the same arithmetic as mcore's unfused path, on cos and sin already
 computed.
 """
 
@@ -96,14 +96,11 @@ def apply_cos_sin(t: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
     return t * cos + t.roll(d // 2, dims=-1) * signed_sin
 
 
-def install() -> None:
-    """Fill mcore's fused-rope slot (read when `apply_rope_fusion=True`) with `apply_cos_sin`. Our models
-    hand the slot their tables (twice the head size); angles go to what was there (TE's kernel)."""
-    from megatron.core.models.common.embeddings import rope_utils
-
-    previous = rope_utils.fused_apply_rotary_pos_emb
+def fused_slot(previous):
+    """What goes into mcore's fused-rope slot (read when `apply_rope_fusion=True`; `patches.py` puts it
+    there): `apply_cos_sin` for our tables (twice the head size); angles go to what was there (TE's kernel)."""
     if getattr(previous, "applies_cos_sin", False):
-        return
+        return previous
 
     def fused_apply_rotary_pos_emb(t, freqs, interleaved: bool = False):
         if freqs.shape[-1] == 2 * t.shape[-1] and not interleaved:
@@ -114,4 +111,4 @@ def install() -> None:
         return previous(t, freqs, interleaved=interleaved)
 
     fused_apply_rotary_pos_emb.applies_cos_sin = True
-    rope_utils.fused_apply_rotary_pos_emb = fused_apply_rotary_pos_emb
+    return fused_apply_rotary_pos_emb

@@ -11,6 +11,8 @@ from megatron.core.transformer.attention import CrossAttention, CrossAttentionSu
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -24,15 +26,51 @@ from .norm import Norm
 from .post_ln import PostLNTransformerLayer
 
 
+def dense_mlp_spec(mlp_dropout: bool = False) -> ModuleSpec:
+    """Megatron-Core's MLP on our linears: the MLP of every family so far.
+
+    mlp_dropout: dropout between the MLP's activation and its second linear (T5).
+    """
+    return ModuleSpec(
+        module=MLP,
+        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
+                                 linear_fc2=DropoutInputRowParallelLinear if mlp_dropout else RowParallelLinear),
+    )
+
+
+def moe_mlp_spec() -> ModuleSpec:
+    """Megatron-Core's MoE layer (its router and token dispatcher) with experts that run one after another
+    (`SequentialMLP`), each an MLP on our linears, so experts train on CPU and under autocast like the dense
+    MLP. The expert count, top-k and dispatcher come from the TransformerConfig (`num_moe_experts`, ...);
+    mcore's local GPT spec builds the same, but on its own linears.
+    """
+    return ModuleSpec(
+        module=MoELayer,
+        submodules=MoESubmodules(
+            experts=ModuleSpec(
+                module=SequentialMLP,
+                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+            ),
+        ),
+    )
+
+
 def local_layer_spec(qk_layernorm: bool = False, causal: bool = True, post_ln: bool = False,
-                     cross_attention: bool = False, mlp_dropout: bool = False) -> ModuleSpec:
+                     cross_attention: bool = False, mlp_dropout: bool = False,
+                     mlp: Optional[ModuleSpec] = None) -> ModuleSpec:
     """Megatron-Core's local layer with our SDPA core attention and SP-capable norms.
 
     causal: decoder self-attention (else bidirectional, padding masks only: BERT, T5's encoder).
     post_ln: norms after the residual adds (HF `bert`), in our PostLNTransformerLayer.
     cross_attention: a cross-attention block between self-attention and MLP (T5's decoder).
-    mlp_dropout: dropout between the MLP's activation and its second linear (T5).
+    mlp_dropout: dropout between the MLP's activation and its second linear (T5), in the dense MLP.
+    mlp: the MLP slot's spec (e.g. `moe_mlp_spec()`); None means the dense MLP, `dense_mlp_spec(mlp_dropout)`.
+    The slot is filled by a spec rather than a flag so that a new kind of MLP needs no change here.
     """
+    if mlp is None:
+        mlp = dense_mlp_spec(mlp_dropout)
+    elif mlp_dropout:
+        raise ValueError("mlp_dropout applies to the dense MLP only; put the dropout into the given mlp spec")
     pre_norm = IdentityOp if post_ln else Norm
     extra = {}
     if cross_attention:
@@ -66,19 +104,17 @@ def local_layer_spec(qk_layernorm: bool = False, causal: bool = True, post_ln: b
             self_attn_bda=get_bias_dropout_add,
             **extra,
             pre_mlp_layernorm=pre_norm,
-            mlp=ModuleSpec(
-                module=MLP,
-                submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear,
-                                         linear_fc2=DropoutInputRowParallelLinear if mlp_dropout else RowParallelLinear),
-            ),
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
 def block_spec(config: TransformerConfig, num_local_layers: int, backend: str = "local", *, causal: bool = True,
-               post_ln: bool = False, cross_attention: bool = False, mlp_dropout: bool = False) -> TransformerBlockSubmodules:
+               post_ln: bool = False, cross_attention: bool = False, mlp_dropout: bool = False,
+               mlp: Optional[ModuleSpec] = None) -> TransformerBlockSubmodules:
     """A block: `num_local_layers` layers of the chosen backend and a final norm (none after post-LN layers).
+    `mlp` fills every layer's MLP slot (see `local_layer_spec`; None: the dense MLP).
 
     Passing the block (not just the layer) keeps mcore from choosing its own final norm, which would be
     apex's or `WrappedTorchNorm` (no sequence parallelism); mcore's T5 block specs drop it without TE.
@@ -90,7 +126,7 @@ def block_spec(config: TransformerConfig, num_local_layers: int, backend: str = 
             "backend", backend, "only the 'local' spec (Megatron-Core layers + SDPA attention) is supported so far"
         )
     layer = local_layer_spec(config.qk_layernorm, causal=causal, post_ln=post_ln, cross_attention=cross_attention,
-                             mlp_dropout=mlp_dropout)
+                             mlp_dropout=mlp_dropout, mlp=mlp)
     return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=None if post_ln else Norm)
 
 

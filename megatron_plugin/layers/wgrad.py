@@ -5,13 +5,11 @@ extension each linear's weight gradient is computed in bf16, allocated, and then
 `main_grad` by a per-parameter hook: one more pass over every weight per micro-batch (2,320 add kernels
 a step for GPT-2 1.5B with 4 micro-batches). With it the weight-gradient GEMM accumulates straight
 into `main_grad` in fp32 (`torch.addmm(..., out_dtype=torch.float32)`, cuBLAS's beta=1 epilogue), which
-is also the more accurate sum. mcore reads the extension from a module global at import; `install`
+is also the more accurate sum. mcore reads the extension from a module global at import; `patches.py`
 puts this module there, only where apex's own is missing.
 """
 
 from __future__ import annotations
-
-import sys
 
 import torch
 
@@ -38,15 +36,3 @@ def wgrad_gemm_accum_fp32(total_input: torch.Tensor, grad_output: torch.Tensor, 
 def wgrad_gemm_accum_fp16(total_input: torch.Tensor, grad_output: torch.Tensor, main_grad: torch.Tensor) -> None:
     """The same into a bf16/fp16 main_grad (grad_reduce_in_fp32=False)."""
     main_grad.addmm_(grad_output.t(), total_input, beta=_beta(main_grad))
-
-
-def install() -> bool:
-    """Make mcore's linears able to take `gradient_accumulation_fusion=True`. Returns whether this
-    module was installed (False: apex's extension is there and stays)."""
-    from megatron.core.tensor_parallel import layers
-
-    if layers._grad_accum_fusion_available and getattr(layers, "fused_weight_gradient_mlp_cuda", None) is not None:
-        return False
-    layers.fused_weight_gradient_mlp_cuda = sys.modules[__name__]
-    layers._grad_accum_fusion_available = True
-    return True

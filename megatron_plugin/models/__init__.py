@@ -19,8 +19,9 @@ def get_family(hf_config) -> ModelFamily:
     return FAMILIES[model_type]
 
 
-def check_model(plugin, hf_config) -> ModelFamily:
-    """Raise a clear error when the model can't be laid out as the plugin asks. No collectives."""
+def check_model(plugin, hf_config, world_size=None) -> ModelFamily:
+    """Raise a clear error when the model can't be laid out as the plugin asks (over `world_size`
+    processes, when given). No collectives."""
     family = get_family(hf_config)
     tc = family.transformer_config(hf_config)
     tp = plugin.tp_degree
@@ -43,7 +44,7 @@ def check_model(plugin, hf_config) -> ModelFamily:
         )
     if family.pipeline_note and plugin.pp_degree > 1:
         raise MegatronPluginConfigError("pp_degree", plugin.pp_degree, f"{family.name}: {family.pipeline_note}")
-    plugin.validate(num_layers=tc["num_layers"])
+    plugin.validate(world_size=world_size, num_layers=tc["num_layers"])
     from .gpt import transformer_config_overrides
 
     transformer_config_overrides(plugin.other_megatron_args, tc)

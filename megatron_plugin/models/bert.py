@@ -9,7 +9,7 @@ residual adds: its layers are `layers.post_ln.PostLNTransformerLayer` and its em
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -27,7 +27,7 @@ from ..layers.spec import block_spec
 from .common import HFParityMixin, use_our_output_layer
 from .family import ModelFamily
 from .gpt import padded_vocab_size
-from .gpt2 import gelu_tanh
+from .gpt2 import biased_layernorm_block, gelu_tanh
 from .mapping import Rule
 
 ACTIVATIONS = {"gelu": F.gelu, "gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_tanh, "relu": F.relu}
@@ -59,18 +59,13 @@ def transformer_config(c) -> dict:
         num_layers=c.num_hidden_layers,
         hidden_size=c.hidden_size,
         num_attention_heads=c.num_attention_heads,
-        num_query_groups=c.num_attention_heads,
-        kv_channels=c.hidden_size // c.num_attention_heads,
         ffn_hidden_size=c.intermediate_size,
         layernorm_epsilon=c.layer_norm_eps,
-        normalization="LayerNorm",
         activation_func=ACTIVATIONS[c.hidden_act],
-        gated_linear_unit=False,
-        add_bias_linear=True,
-        add_qkv_bias=True,
         hidden_dropout=c.hidden_dropout_prob,
         attention_dropout=c.attention_probs_dropout_prob,
         init_method_std=c.initializer_range,
+        **biased_layernorm_block(c.hidden_size, c.num_attention_heads),
     )
 
 
@@ -224,13 +219,29 @@ def build_bert(family, hf_config, config, plugin, plan, *, variant="mlm", backen
     )
 
 
+class BertInputs(NamedTuple):
+    """MegatronBert's inputs; its forward takes the labels between them, so they go in by name."""
+
+    tokens: torch.Tensor  # [b, s] long
+    padding_mask: Optional[torch.Tensor]  # [b, 1, 1, s] bool, True = masked; None = nothing padded
+    token_types: Optional[torch.Tensor]  # [b, s]; None: the model takes zeros
+    position_ids: Optional[torch.Tensor]  # [b, s]; None: the model takes 0..s-1
+
+
+def bert_inputs(input_ids, attention_mask=None, token_type_ids=None, position_ids=None) -> BertInputs:
+    """HF BERT inputs -> MegatronBert's. An encoder attends both ways, so the mask is the padding alone;
+    absent token types and positions stay None for the model's own defaults, which only its first
+    pipeline stage (the one with embeddings) can fill."""
+    return BertInputs(input_ids.long(), padding_mask(attention_mask), token_type_ids, position_ids)
+
+
 def bert_forward(model, input_ids, attention_mask=None, token_type_ids=None, position_ids=None, labels=None):
     """HF inputs -> (MLM logits [b, s, vocab] gathered over TP, NSP logits) for the LM variants,
     (last hidden state, pooled output) for the base ones; with shifted-free `labels` the per-token loss."""
-    mask = padding_mask(attention_mask)
+    x = bert_inputs(input_ids, attention_mask, token_type_ids, position_ids)
     if labels is not None:
-        return model.module(input_ids, mask, token_type_ids, labels.masked_fill(labels < 0, 0), position_ids)
-    out, second = model.module(input_ids, mask, token_type_ids, None, position_ids)
+        return model.module(x.tokens, x.padding_mask, x.token_types, labels.masked_fill(labels < 0, 0), x.position_ids)
+    out, second = model.module(x.tokens, x.padding_mask, x.token_types, None, x.position_ids)
     if model.plan.last and model.variant in LM_VARIANTS:
         out = gather_tensor_parallel_last_dim(out)[..., : model.hf_config.vocab_size]
     return out, second
@@ -249,6 +260,7 @@ def _family(model_type: str, prefix_classes: str) -> ModelFamily:
         max_positions=lambda c: c.max_position_embeddings,
         build=build_bert,
         forward=bert_forward,
+        inputs=bert_inputs,
         variant_of=bert_variant,
         train_step="BertTrainStep",
         trainable_variants=LM_VARIANTS,

@@ -37,6 +37,10 @@ class ModelFamily:
     build: Optional[Callable[..., Any]] = None
     # (MegatronModel, **HF inputs) -> HF-like outputs of one stage; None means the causal-LM forward
     forward: Optional[Callable[..., Any]] = None
+    # (**HF inputs) -> the Megatron module's inputs, a NamedTuple: the one conversion the forward, the train
+    # steps and generation share (models/causal.py, bert.py's bert_inputs, t5.py's t5_inputs). Every
+    # family sets it; it has a default only because the fields before it do
+    inputs: Optional[Callable[..., Any]] = None
     # HF model -> variant
     variant_of: Callable[[Any], str] = lm_or_base
     # the train step `prepare` picks (a name in train_steps) and the variants it can train

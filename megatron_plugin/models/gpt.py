@@ -15,11 +15,10 @@ from ..errors import MegatronPluginConfigError
 from .common import HFParityMixin, use_our_output_layer
 from ..layers.embedding import use_our_word_embeddings
 from ..layers.masks import add_window
-from ..layers import rope
 from ..layers.rope import RotaryEmbedding
+from ..quiet import QUIET_CONFIG, quiet
 from ..plugin import MegatronLMPlugin
 from ..layers.spec import block_spec
-from ..layers import wgrad
 from .family import ModelFamily
 from .gpt2 import gelu_tanh
 from .mapping import StagePlan
@@ -111,10 +110,6 @@ def build_transformer_config(
     fields = family.transformer_config(hf_config)
     on_gpu = device_type == "cuda"
     wgrad_fusion = on_gpu and bool(plugin.gradient_accumulation_fusion)  # prepare resolves None
-    if wgrad_fusion:
-        wgrad.install()
-    if family.rotary:
-        rope.install()
     fields.update(
         tensor_model_parallel_size=plugin.tp_degree,
         pipeline_model_parallel_size=plugin.pp_degree,
@@ -144,7 +139,8 @@ def build_transformer_config(
         fields.update(recompute_method=plugin.recompute_method, recompute_num_layers=plugin.recompute_num_layers)
     fields.update(transformer_config_overrides(plugin.other_megatron_args, family.transformer_config(hf_config)))
     fields.update(overrides or {})
-    return TransformerConfig(**fields)
+    with quiet(QUIET_CONFIG):
+        return TransformerConfig(**fields)
 
 
 def build_model(

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 
 from ..errors import MegatronPluginConfigError
+from .causal import causal_lm_inputs
 from .family import ModelFamily
 from .mapping import Rule
 
@@ -15,6 +16,19 @@ def gelu_tanh(x):
 
 # HF `activation_function` -> the function Megatron's MLP applies
 ACTIVATIONS = {"gelu_new": gelu_tanh, "gelu_pytorch_tanh": gelu_tanh, "gelu_fast": gelu_tanh, "gelu": F.gelu, "relu": F.relu}
+
+
+def biased_layernorm_block(hidden: int, heads: int) -> dict:
+    """The TransformerConfig fields of the original transformer block, which GPT-2 and BERT both are:
+    multi-head attention, LayerNorm, a bias on every linear, an ungated MLP."""
+    return dict(
+        num_query_groups=heads,
+        kv_channels=hidden // heads,
+        normalization="LayerNorm",
+        gated_linear_unit=False,
+        add_bias_linear=True,
+        add_qkv_bias=True,
+    )
 
 
 def transformer_config(c) -> dict:
@@ -31,19 +45,14 @@ def transformer_config(c) -> dict:
         num_layers=c.n_layer,
         hidden_size=c.n_embd,
         num_attention_heads=c.n_head,
-        num_query_groups=c.n_head,
-        kv_channels=c.n_embd // c.n_head,
         ffn_hidden_size=c.n_inner or 4 * c.n_embd,
         layernorm_epsilon=c.layer_norm_epsilon,
-        normalization="LayerNorm",
         activation_func=ACTIVATIONS[c.activation_function],
-        gated_linear_unit=False,
-        add_bias_linear=True,
-        add_qkv_bias=True,
         # Megatron has one dropout for embeddings and residuals; GPT-2 configs set both alike.
         hidden_dropout=c.resid_pdrop,
         attention_dropout=c.attn_pdrop,
         init_method_std=c.initializer_range,
+        **biased_layernorm_block(c.n_embd, c.n_head),
     )
 
 
@@ -87,4 +96,5 @@ GPT2 = ModelFamily(
     max_positions=lambda c: c.n_positions,
     tied_aliases=lambda c, v: {"lm_head.weight": "transformer.wte.weight"} if v == "lm" and c.tie_word_embeddings else {},
     position_limit=lambda c: c.n_positions,
+    inputs=causal_lm_inputs,
 )

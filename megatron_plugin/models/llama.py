@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from ..errors import MegatronPluginConfigError
 from ..layers.rope import check_rope
+from .causal import causal_lm_inputs
 from .family import ModelFamily
 from .mapping import Rule
 
@@ -159,6 +160,7 @@ def _family(model_type: str) -> ModelFamily:
         if v == "lm" and getattr(c, "tie_word_embeddings", False) else {},
         rotary=True,
         sliding_window=sliding_window,
+        inputs=causal_lm_inputs,
     )
 
 

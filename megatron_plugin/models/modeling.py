@@ -9,13 +9,12 @@ from megatron.core import parallel_state
 
 from ..layers.comm import gather_tensor_parallel_last_dim
 from .convert import gather_hf_state_dict, load_hf_into_mcore, model_dims, normalize_hf_state_dict
-from ..engine.distributed import current_layout
+from ..layout import current_layout
 from . import get_family
+from .causal import causal_lm_inputs
 from .gpt import build_model, build_transformer_config
-from .mapping import StagePlan, expand
-from ..engine.hf_io import TensorSlice
+from .mapping import StagePlan, TensorSlice, expand
 from ..plugin import MegatronLMPlugin
-from ..layers.masks import attention_mask_4d
 from ..layers.spec import default_backend
 
 
@@ -125,14 +124,11 @@ class MegatronModel(torch.nn.Module):
         """One stage's forward with HF inputs ([b, s] ids and padding mask). With labels (already
         shifted, -100 = ignore) returns per-token losses [b, s]; else logits gathered over TP and cut to
         the true vocabulary (or hidden states for a base model)."""
-        b, s = input_ids.shape
-        mask = attention_mask_4d(attention_mask, s, position_ids)
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0).expand(b, s)
+        inputs = causal_lm_inputs(input_ids, attention_mask, position_ids)
         if labels is not None:
             safe = labels.masked_fill(labels < 0, 0)
-            return self.module(input_ids, position_ids, mask, labels=safe)
-        out = self.module(input_ids, position_ids, mask)
+            return self.module(*inputs, labels=safe)
+        out = self.module(*inputs)
         if self.plan.last and self.lm_head:
             out = gather_tensor_parallel_last_dim(out)[..., : self.hf_config.vocab_size]
         return out

@@ -15,6 +15,7 @@ tensor and data parallelism, pp_degree=1.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -241,26 +242,40 @@ def shift_right(labels: torch.Tensor, start: int, pad: int) -> torch.Tensor:
     return shifted.masked_fill(shifted == -100, pad)
 
 
-def t5_masks(attention_mask, decoder_attention_mask, dec_len: int):
-    """HF padding masks -> (encoder self-attention, decoder self-attention, cross-attention) masks."""
+class T5Inputs(NamedTuple):
+    """In MegatronT5's argument order, so `module(*inputs)` runs it. Masks: bool, True = masked, or None."""
+
+    encoder_ids: torch.Tensor  # [b, s_enc] long
+    decoder_ids: torch.Tensor  # [b, s_dec] long
+    encoder_mask: Optional[torch.Tensor]  # [b, 1, 1, s_enc]: the encoder's padding
+    decoder_mask: Optional[torch.Tensor]  # [b, 1, s_dec, s_dec]: causal and the decoder's padding
+    cross_mask: Optional[torch.Tensor]  # [b, 1, 1, s_enc]: decoder queries see the encoder's tokens only
+
+
+def t5_inputs(input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None, labels=None, *,
+              decoder_start_token_id=0, pad_token_id=0) -> T5Inputs:
+    """HF seq2seq inputs -> MegatronT5's. Decoder inputs default to the labels shifted right behind
+    `decoder_start_token_id`, as HF's T5 makes them, so a batch of inputs and labels trains alike here."""
+    if decoder_input_ids is None:
+        if labels is None:
+            raise MegatronPluginConfigError("decoder_input_ids", None, "pass decoder_input_ids or labels")
+        decoder_input_ids = shift_right(labels, decoder_start_token_id, pad_token_id)
     enc = padding_mask(attention_mask)
-    dec = attention_mask_4d(decoder_attention_mask, dec_len)
-    return enc, dec, enc
+    dec = attention_mask_4d(decoder_attention_mask, decoder_input_ids.shape[1])
+    return T5Inputs(input_ids.long(), decoder_input_ids.long(), enc, dec, enc)
 
 
 def t5_forward(model, input_ids, attention_mask=None, decoder_input_ids=None, decoder_attention_mask=None,
                labels=None):
     """HF inputs -> logits [b, s_dec, vocab] gathered over TP (base model: decoder hidden states); with
-    `labels` (-100 = no loss) the per-token loss. Decoder inputs default to the shifted labels, as in HF."""
+    `labels` (-100 = no loss) the per-token loss."""
     cfg = model.hf_config
-    if decoder_input_ids is None:
-        if labels is None:
-            raise MegatronPluginConfigError("decoder_input_ids", None, "pass decoder_input_ids or labels")
-        decoder_input_ids = shift_right(labels, cfg.decoder_start_token_id, cfg.pad_token_id)
-    enc, dec, cross = t5_masks(attention_mask, decoder_attention_mask, decoder_input_ids.shape[1])
+    inputs = t5_inputs(input_ids, attention_mask, decoder_input_ids, decoder_attention_mask, labels,
+                       decoder_start_token_id=getattr(cfg, "decoder_start_token_id", None),
+                       pad_token_id=getattr(cfg, "pad_token_id", None))
     if labels is not None:
-        return model.module(input_ids, decoder_input_ids, enc, dec, cross, lm_labels=labels.masked_fill(labels < 0, 0))
-    out = model.module(input_ids, decoder_input_ids, enc, dec, cross)
+        return model.module(*inputs, lm_labels=labels.masked_fill(labels < 0, 0))
+    out = model.module(*inputs)
     if model.variant == "lm":
         out = gather_tensor_parallel_last_dim(out)[..., : cfg.vocab_size]
     return out
@@ -278,6 +293,7 @@ def _family(model_type: str, classes: str) -> ModelFamily:
         max_positions=lambda c: getattr(c, "n_positions", 512),
         build=build_t5,
         forward=t5_forward,
+        inputs=t5_inputs,
         variant_of=t5_variant,
         train_step="T5TrainStep",
         trainable_variants=("lm",),

@@ -167,10 +167,10 @@ def clip_run(on_device=True, precision="no", clip=0.05, inf_step=None, steps=6):
     loader = DataLoader(dataset(steps * MICRO * NUM_MICRO), batch_size=MICRO, drop_last=True)
     opt = torch.optim.AdamW(hf.parameters(), lr=1e-3, weight_decay=0.01)
     engine, opt, loader = acc.prepare(hf, opt, loader)
-    engine._clip_on_device = on_device and engine._clip_on_device
+    engine.clip_on_device = on_device and engine.clip_on_device
     mcore_opt = engine.optimizer
     subs = mcore_opt.chained_optimizers
-    res = {"clip_on_device": engine._clip_on_device, "losses": [], "norms": [], "skipped": []}
+    res = {"clip_on_device": engine.clip_on_device, "losses": [], "norms": [], "skipped": []}
 
     def poisoned():
         found = type(mcore_opt).prepare_grads(mcore_opt)
@@ -213,7 +213,7 @@ def deferred_check_run():
     engine, opt, loader = acc.prepare(hf, opt, loader)
     engine.train()
     batches = iter(loader)
-    res = {"deferred": engine._can_defer_batch_check(), "losses": []}
+    res = {"deferred": engine.can_defer_batch_check(), "losses": []}
 
     def weights():
         return [p.detach().clone() for p in engine.parameters()]

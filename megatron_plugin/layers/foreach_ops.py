@@ -4,7 +4,7 @@ Without Transformer Engine or apex, Megatron-Core falls back to per-tensor Pytho
 norm, grad clipping and the copy of fp32 main weights into the bf16/fp16 model. Its norm fallback
 also reads every per-tensor norm back to the host (`torch.tensor(list of CUDA scalars)`), one
 device sync per parameter tensor, every step. torch's `_foreach_*` kernels do the same work in a few
-launches and no sync. mcore picks its implementation at import time into module globals; `install`
+launches and no sync. mcore picks its implementation at import time into module globals; `patches.py`
 swaps ours in there, and only where mcore's own loop fallback is in place (TE / apex stay preferred).
 """
 
@@ -36,22 +36,3 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists: List[List[torch.Tens
 
 def multi_tensor_applier(op, noop_flag, tensor_lists, *args):
     return op(2048 * 32, noop_flag, tensor_lists, *args)
-
-
-def install() -> bool:
-    """Use the foreach kernels in mcore's optimizer modules where its loop fallbacks are active.
-    Returns whether anything was swapped."""
-    from megatron.core import utils
-    from megatron.core.optimizer import clip_grads, optimizer
-
-    swapped = False
-    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
-        clip_grads.multi_tensor_applier = multi_tensor_applier
-        clip_grads.l2_norm_impl = multi_tensor_l2norm
-        clip_grads.multi_tensor_scale_impl = multi_tensor_scale
-        swapped = True
-    if optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
-        optimizer.multi_tensor_applier = multi_tensor_applier
-        optimizer.multi_tensor_scale_impl = multi_tensor_scale
-        swapped = True
-    return swapped

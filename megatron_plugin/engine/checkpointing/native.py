@@ -1,0 +1,38 @@
+"""`NativeFormat`: this package's own checkpoint format, `megatron_plugin/1` (see `layout` for the
+files). Saving is crash-safe (`native_save`); a load at this run's layout checks and copies each rank's
+files (`native_load`), one of another layout is resharded through HF names (`native_reshard`)."""
+
+from __future__ import annotations
+
+from .collective import agree
+from .formats import CheckpointFormat
+from .layout import FORMAT, is_checkpoint_dir, read_meta, resolve_checkpoint
+from .native_load import load_same_layout
+from .native_reshard import load_resharded
+from .native_save import save
+from .state import TrainingState
+
+
+class NativeFormat(CheckpointFormat):
+    name = FORMAT
+
+    def recognizes(self, path: str) -> bool:
+        return is_checkpoint_dir(path)
+
+    def save(self, output_dir: str, state: TrainingState) -> str:
+        return save(output_dir, state)
+
+    def load(self, input_dir: str, state: TrainingState) -> dict:
+        """Every file is checked against the checksum saved with it before anything is loaded. A
+        checkpoint of another TP/PP layout is resharded."""
+        ckpt, meta = agree(lambda: _locate(input_dir))
+        grid = state.layout
+        if (meta["tp"], meta["pp"], meta.get("vpp")) != (grid.tp_size, grid.pp_size, state.vpp):
+            return load_resharded(ckpt, meta, state)
+        return load_same_layout(ckpt, meta, state)
+
+
+def _locate(input_dir: str):
+    """(checkpoint folder, its meta.json) of a save folder or of a checkpoint folder."""
+    ckpt = resolve_checkpoint(input_dir)
+    return ckpt, read_meta(ckpt)

@@ -1,0 +1,129 @@
+"""Saving in the native format (`layout`): staged, checksummed, committed by `latest`.
+
+Every rank writes into a staging folder; only when all are done does rank 0 rename it into place and
+then point `latest` at it. A crash at any moment leaves `latest` naming a complete checkpoint (the
+previous one), and a half-written staging folder is never what a load reads.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+
+from ...errors import MegatronPluginConfigError
+from ...fs import atomic_write_text, check_writable, file_checksum
+from .collective import broadcast_error
+from .layout import (META, SCHEDULER, checkpoint_meta, custom_file, iteration_of, model_file, optimizer_file,
+                     point_latest, read_latest, rng_file, shard_name, write_meta)
+from .state import TrainingState
+
+# the name this warning has always been logged under
+logger = logging.getLogger("megatron_plugin.engine.checkpoint")
+
+
+def save(output_dir: str, state: TrainingState) -> str:
+    """Collective: every rank calls it. Returns the checkpoint's folder.
+
+    The folder holds one checkpoint: the previous one (whatever its iteration) is deleted once the new
+    one is complete and `latest` names it."""
+    output_dir = os.path.abspath(output_dir)
+    tag = _open_staging(output_dir, state.iteration)
+    staging = _staging_dir(output_dir, tag)
+    files = _write_rank_files(staging, state)
+    if state.layout.rank == 0:
+        _commit(output_dir, tag, state, files)
+    dist.barrier()
+    return os.path.join(output_dir, tag)
+
+
+def _staging_dir(output_dir: str, tag: str) -> str:
+    return os.path.join(output_dir, f".{tag}.partial")
+
+
+def _open_staging(output_dir: str, iteration: int) -> str:
+    """Collective: rank 0 checks the folder and makes an empty staging folder for a new tag (iter_N, or
+    iter_N_k if iter_N exists); every rank gets the tag, or rank 0's error."""
+    tag, problem = [None], None
+    if dist.get_rank() == 0:
+        try:
+            check_writable(output_dir, "save_state(output_dir)")
+            os.makedirs(output_dir, exist_ok=True)
+            base, k = f"iter_{iteration:07d}", 0
+            tag[0] = base
+            while os.path.exists(os.path.join(output_dir, tag[0])):
+                k += 1
+                tag[0] = f"{base}_{k}"
+            staging = _staging_dir(output_dir, tag[0])
+            shutil.rmtree(staging, ignore_errors=True)
+            for sub in ("model", "optimizer", "rng", "custom"):
+                os.makedirs(os.path.join(staging, sub))
+        except MegatronPluginConfigError as err:
+            problem = (err.setting, err.value, err.fix)
+        except OSError as err:
+            problem = ("save_state(output_dir)", output_dir, f"cannot write there ({err.strerror}): choose another folder")
+    broadcast_error(problem)
+    dist.broadcast_object_list(tag, src=0)
+    dist.barrier()
+    return tag[0]
+
+
+def _write_rank_files(staging: str, state: TrainingState) -> dict:
+    """Collective: this rank's files into the staging folder; returns every rank's {relpath: checksum}."""
+    grid = state.layout
+    name = shard_name(grid.tp_rank, grid.pp_rank)
+    written = []
+    if grid.dp_rank == 0:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.named_tensors()}
+        save_file(tensors, model_file(staging, grid.tp_rank, grid.pp_rank))
+        written.append(model_file(staging, grid.tp_rank, grid.pp_rank))
+        written.append(os.path.join(staging, optimizer_file(name, "dp000.pt")))
+        torch.save(state.optimizer.state_dict(), written[-1])
+        if state.torch_optimizer:
+            # which parameter each state index is: what a load into another layout reshards by
+            written.append(os.path.join(staging, optimizer_file(name, "names.json")))
+            atomic_write_text(written[-1], json.dumps(state.optimizer_param_names()))
+    if state.distributed_optimizer:
+        # mcore gathers the DP-sharded optimizer state onto DP rank 0 of each model-parallel rank
+        path = os.path.join(staging, optimizer_file(name, "param_state.pt"))
+        state.optimizer.save_parameter_state(path)
+        if grid.dp_rank == 0:
+            written.append(path)
+    written.append(os.path.join(staging, rng_file(grid.rank)))
+    torch.save(state.rng_state(), written[-1])
+    if grid.rank == 0 and state.scheduler is not None:
+        written.append(os.path.join(staging, SCHEDULER))
+        torch.save(state.scheduler.state_dict(), written[-1])
+    if grid.rank == 0:
+        for i, obj in enumerate(state.custom_objects):
+            written.append(os.path.join(staging, custom_file(i)))
+            torch.save(obj.state_dict(), written[-1])
+    sums = {os.path.relpath(p, staging): file_checksum(p) for p in written}
+    everyone = [None] * grid.world_size
+    dist.all_gather_object(everyone, sums)
+    return {k: v for part in everyone for k, v in part.items()}
+
+
+def _commit(output_dir: str, tag: str, state: TrainingState, files: dict) -> None:
+    """Rank 0, once every rank's files are written: meta.json last, the staging folder renamed into
+    place, `latest` pointed at it (the commit), then the previous checkpoint removed."""
+    staging, final, grid = _staging_dir(output_dir, tag), os.path.join(output_dir, tag), state.layout
+    write_meta(os.path.join(staging, META), dict(checkpoint_meta(
+        iteration=state.iteration, tp=grid.tp_size, pp=grid.pp_size, dp=grid.dp_size, vpp=state.vpp,
+        distributed_optimizer=state.distributed_optimizer, model_only=False, **state.model_fields(),
+    ), files=dict(sorted(files.items())), engine="cpu" if state.torch_optimizer else "mcore"))
+    os.replace(staging, final)
+    previous = read_latest(output_dir)
+    point_latest(output_dir, tag)
+    if previous and previous != tag:
+        old = iteration_of(os.path.join(output_dir, previous))
+        if old is not None and old > state.iteration:
+            logger.warning(
+                "save_state: %s held a checkpoint of iteration %d; it is replaced by this one of iteration %d "
+                "(a save_state folder keeps the last checkpoint saved into it)", output_dir, old, state.iteration)
+        shutil.rmtree(os.path.join(output_dir, previous), ignore_errors=True)

@@ -1,0 +1,119 @@
+"""`TrainingState`: the one view of a run that checkpoint formats save and restore.
+
+A format sees this object, never the engine: the model chunks of this rank, optimizer, scheduler,
+random streams, iteration, the few settings a checkpoint records, and the user's registered objects.
+It is built once per save or load (`TrainingState.of_engine`), so what a format may touch is listed
+here, and a new format (Megatron-LM's torch_dist) needs nothing else.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
+
+import numpy as np
+import torch
+from megatron.core import tensor_parallel
+
+from ..distributed import Layout, current_layout
+from .layout import chunk_key
+
+
+@dataclass
+class TrainingState:
+    chunks: Sequence[Any]  # MegatronModel per virtual stage of this rank; chunks[0] knows the HF model
+    optimizer: Any
+    scheduler: Optional[Any]
+    rng: Any  # the model's own random stream (ModelRNG): state_dict / load_state_dict
+    iteration: int
+    on_iteration: Callable[[int], None]  # writes a loaded iteration back into the run
+    make_vocab_size_divisible_by: int
+    distributed_optimizer: bool  # this run's optimizer shards its state over data-parallel ranks
+    device: torch.device
+    layout: Layout  # this process's place in the TP x PP x DP grid
+    custom_objects: Sequence[Any] = ()
+
+    @classmethod
+    def of_engine(cls, engine, custom_objects=(), distributed_optimizer: Optional[bool] = None) -> "TrainingState":
+        """The engine's state; `distributed_optimizer` defaults to the engine's plugin setting."""
+        if distributed_optimizer is None:
+            distributed_optimizer = engine.plugin.use_distributed_optimizer
+        return cls(
+            chunks=list(engine.chunks), optimizer=engine.optimizer, scheduler=engine.scheduler, rng=engine.rng,
+            iteration=engine.iteration, on_iteration=lambda i: setattr(engine, "iteration", i),
+            make_vocab_size_divisible_by=engine.plugin.make_vocab_size_divisible_by,
+            distributed_optimizer=distributed_optimizer, device=engine.device,
+            layout=current_layout(engine.device), custom_objects=tuple(custom_objects),
+        )
+
+    @property
+    def model(self):
+        """The first chunk: family, variant, HF config, plan and dims of this rank's model."""
+        return self.chunks[0]
+
+    @property
+    def vpp(self) -> Optional[int]:
+        """Virtual pipeline stages, None without them (as meta.json records it)."""
+        return len(self.chunks) if len(self.chunks) > 1 else None
+
+    @property
+    def torch_optimizer(self) -> bool:
+        """A plain torch optimizer (the CPU engine), not megatron-core's."""
+        return isinstance(self.optimizer, torch.optim.Optimizer)
+
+    def set_iteration(self, iteration: int) -> None:
+        self.iteration = iteration
+        self.on_iteration(iteration)
+
+    def named_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(name in the model file, live tensor) for every chunk's weights: what save writes and load fills."""
+        n = len(self.chunks)
+        for i, chunk in enumerate(self.chunks):
+            for k, v in chunk.module.state_dict().items():
+                if not k.endswith("_extra_state"):
+                    yield chunk_key(i, n, k), v
+
+    def model_fields(self) -> dict:
+        """What a checkpoint records about the model, in meta.json's names."""
+        model = self.model
+        return dict(family=model.family.name, variant=model.variant,
+                    make_vocab_size_divisible_by=self.make_vocab_size_divisible_by,
+                    hf_config=model.hf_config.to_dict())
+
+    def optimizer_param_names(self) -> List[str]:
+        """The Megatron name of each parameter of a torch optimizer (CPU engine), in state-dict index order."""
+        names = {id(p): n for n, p in self.model.module.named_parameters()}
+        return [names[id(p)] for g in self.optimizer.param_groups for p in g["params"]]
+
+    def rng_state(self) -> dict:
+        """This process's random streams: Python, NumPy, torch, CUDA and megatron-core's tracker, the model's."""
+        state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+                 "model": self.rng.state_dict()}
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state()
+            state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+        return state
+
+    def set_rng_state(self, state: dict) -> None:
+        self.rng.load_state_dict(state["model"])
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if torch.cuda.is_available() and "cuda" in state:
+            torch.cuda.set_rng_state(state["cuda"])
+            tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+
+    def restore(self, saved: dict, ckpt: str, saved_world_size: int) -> None:
+        """After the model and optimizer: the scheduler, RNG states (`saved["rng"]`; absent or None: the
+        run's random streams stay as seeded, with a warning) and registered objects, as a format read them."""
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(saved["scheduler"])
+        if saved.get("rng") is not None:
+            self.set_rng_state(saved["rng"])
+        else:
+            warnings.warn(f"load_state: {ckpt} holds RNG states of {saved_world_size} processes; this run's "
+                          "random streams (dropout) start from the plugin's seed")
+        for obj, state in zip(self.custom_objects, saved["custom"]):
+            obj.load_state_dict(state)

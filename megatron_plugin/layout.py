@@ -1,0 +1,50 @@
+"""Where this process sits in the TP x PP x DP grid, read from Megatron-Core's parallel state.
+
+Below models and engine alike: models build their stage from it, the engine and checkpoints use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from megatron.core import parallel_state
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where this process sits in the TP x PP x DP grid."""
+
+    world_size: int
+    rank: int
+    tp_size: int
+    tp_rank: int
+    pp_size: int
+    pp_rank: int
+    dp_size: int
+    dp_rank: int
+    device: torch.device
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def current_layout(device: torch.device | None = None) -> Layout:
+    ps = parallel_state
+    return Layout(
+        world_size=dist.get_world_size(),
+        rank=dist.get_rank(),
+        tp_size=ps.get_tensor_model_parallel_world_size(),
+        tp_rank=ps.get_tensor_model_parallel_rank(),
+        pp_size=ps.get_pipeline_model_parallel_world_size(),
+        pp_rank=ps.get_pipeline_model_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(),
+        dp_rank=ps.get_data_parallel_rank(),
+        device=device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")),
+    )

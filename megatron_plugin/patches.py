@@ -1,0 +1,181 @@
+"""Every change this package makes to megatron-core, accelerate or Python's process-wide state, in one place.
+
+Megatron-Core picks some implementations at import time into module globals (apex's kernels, TE's fused
+rope); without TE or apex those globals hold slow loops or nothing. A patch here puts our
+implementation into such a global. Each one names the library version it was checked against and
+why it exists; `prepare` installs the ones its run needs (`for_run`), by name, once; `undo` puts back
+exactly what was there (tests do). `check_versions` fails when the installed library differs from the
+version the patches were read against, so an upgrade is a deliberate re-read, not a silent breakage.
+
+The implementations live with their concern (`layers/foreach_ops.py`, `layers/wgrad.py`,
+`layers/rope.py`); this module is the only one that writes into another library's namespace.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+from dataclasses import dataclass
+from typing import Callable, Dict, List, Tuple
+
+# the versions every patch below was read against
+CHECKED = {"megatron-core": "0.16.1", "accelerate": "1.15.0"}
+
+_MISSING = object()
+
+
+@dataclass(frozen=True)
+class Patch:
+    name: str
+    library: str  # a key of CHECKED
+    why: str
+    # -> [(object, attribute, new value)] to set, or [] where the library already has the real thing
+    targets: Callable[[], List[Tuple[object, str, object]]]
+
+
+def _foreach_targets():
+    from megatron.core import utils
+    from megatron.core.optimizer import clip_grads, optimizer
+
+    from .layers import foreach_ops as ours
+
+    out = []
+    if clip_grads.l2_norm_impl is utils.local_multi_tensor_l2_norm:
+        out += [(clip_grads, "multi_tensor_applier", ours.multi_tensor_applier),
+                (clip_grads, "l2_norm_impl", ours.multi_tensor_l2norm),
+                (clip_grads, "multi_tensor_scale_impl", ours.multi_tensor_scale)]
+    if optimizer.multi_tensor_scale_impl is utils.local_multi_tensor_scale:
+        out += [(optimizer, "multi_tensor_applier", ours.multi_tensor_applier),
+                (optimizer, "multi_tensor_scale_impl", ours.multi_tensor_scale)]
+    return out
+
+
+def _wgrad_targets():
+    from megatron.core.tensor_parallel import layers
+
+    from .layers import wgrad
+
+    if layers._grad_accum_fusion_available and getattr(layers, "fused_weight_gradient_mlp_cuda", None) is not None:
+        return []  # apex's extension is there and stays
+    return [(layers, "fused_weight_gradient_mlp_cuda", wgrad), (layers, "_grad_accum_fusion_available", True)]
+
+
+def _rope_targets():
+    from megatron.core.models.common.embeddings import rope_utils
+
+    from .layers import rope
+
+    return [(rope_utils, "fused_apply_rotary_pos_emb", rope.fused_slot(rope_utils.fused_apply_rotary_pos_emb))]
+
+
+def _cpu_warning_targets():
+    from megatron.core.tensor_parallel import layers
+
+    # mcore marks this function once it has warned; marked, it stays quiet
+    return [(layers.linear_with_grad_accumulation_and_async_allreduce, "warned", True)]
+
+
+def _accelerate_targets():
+    import accelerate
+
+    original = accelerate.Accelerator.__init__
+
+    def __init__(self, *args, **kwargs):
+        try:
+            original(self, *args, **kwargs)
+        except ImportError as err:
+            if "Megatron is not installed" not in str(err):
+                raise
+            raise ImportError(
+                "accelerate.Accelerator was asked for a MEGATRON_LM run, which accelerate only runs on a "
+                "Megatron-LM source checkout. Use this package's Accelerator instead: replace "
+                "`from accelerate import Accelerator` with `from megatron_plugin import Accelerator`."
+            ) from None
+
+    return [(accelerate.Accelerator, "__init__", __init__)]
+
+
+PATCHES: Dict[str, Patch] = {p.name: p for p in (
+    Patch("foreach_clip", "megatron-core",
+          "mcore's grad norm, clipping and main->model weight copy fall back to per-tensor Python loops (the norm "
+          "reads every tensor's norm back to the host) without apex; torch's _foreach kernels do it in a few "
+          "launches (layers/foreach_ops.py). CUDA runs.",
+          _foreach_targets),
+    Patch("wgrad_fusion", "megatron-core",
+          "gradient_accumulation_fusion needs apex's fused_weight_gradient_mlp_cuda; layers/wgrad.py is the same "
+          "on torch (the weight-gradient GEMM accumulates into fp32 main_grad). CUDA runs with the fusion on.",
+          _wgrad_targets),
+    Patch("rope_tables", "megatron-core",
+          "mcore applies rotary embeddings through its fused-rope slot (TE's kernel) when apply_rope_fusion=True; "
+          "our rotary families hand it precomputed [cos | sin] tables (layers/rope.py). Rotary families.",
+          _rope_targets),
+    Patch("quiet_cuda_connections_warning", "megatron-core",
+          "mcore's tensor-parallel linears recommend CUDA_DEVICE_MAX_CONNECTIONS=1, a CUDA stream setting that "
+          "means nothing on CPU (gloo). CPU runs.",
+          _cpu_warning_targets),
+    Patch("accelerate_megatron_hint", "accelerate",
+          "accelerate.Accelerator under a MEGATRON_LM config fails with 'Megatron is not installed. please build "
+          "it from source.'; the hint names our Accelerator. The one patch not installed by prepare: it must be "
+          "in place before the script builds accelerate's Accelerator, so the package installs it when a "
+          "public name is first used.",
+          _accelerate_targets),
+)}
+
+_installed: Dict[str, List[Tuple[object, str, object]]] = {}  # name -> [(object, attribute, previous value)]
+
+
+def installed() -> List[str]:
+    return sorted(_installed)
+
+
+def current(obj, attr):
+    # a class's own attribute, not one inherited from a base (undo must not copy a base's down)
+    return obj.__dict__.get(attr, _MISSING) if isinstance(obj, type) else getattr(obj, attr, _MISSING)
+
+
+def install(*names: str) -> List[str]:
+    """Install the named patches that are not in place yet. Returns the names that changed something."""
+    done = []
+    for name in names:
+        if name in _installed:
+            continue
+        targets = PATCHES[name].targets()
+        _installed[name] = [(obj, attr, current(obj, attr)) for obj, attr, _ in targets]
+        for obj, attr, value in targets:
+            setattr(obj, attr, value)
+        if targets:
+            done.append(name)
+    return done
+
+
+def undo(*names: str) -> None:
+    """Put back what the named patches replaced (every installed one when none are named)."""
+    for name in names or list(_installed):
+        for obj, attr, value in reversed(_installed.pop(name, [])):
+            if value is _MISSING:
+                delattr(obj, attr)
+            else:
+                setattr(obj, attr, value)
+
+
+def for_run(device_type: str, *, wgrad_fusion: bool, rotary: bool) -> Tuple[str, ...]:
+    """The patches one run needs."""
+    names = []
+    if device_type == "cpu":
+        names.append("quiet_cuda_connections_warning")
+    if device_type == "cuda":
+        names.append("foreach_clip")
+        if wgrad_fusion:
+            names.append("wgrad_fusion")
+    if rotary:
+        names.append("rope_tables")
+    return tuple(names)
+
+
+def check_versions() -> Dict[str, str]:
+    """{library: installed version} for every library whose installed version differs from CHECKED."""
+    out = {}
+    for library, checked in CHECKED.items():
+        got = importlib.metadata.version(library)
+        if got != checked:
+            out[library] = got
+    return out
