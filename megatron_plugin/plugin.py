@@ -182,6 +182,8 @@ class MegatronLMPlugin:
                 self.recompute_granularity = raw.strip().lower()
             elif self.recompute_activations:
                 self.recompute_granularity = "selective"
+        # an import path becomes the class here, once; validate() only checks (prepare never writes the plugin)
+        self.custom_train_step_class = resolve_train_step_class(self.custom_train_step_class)
         self.validate()
 
     def validate(self, world_size: Optional[int] = None, num_layers: Optional[int] = None):
@@ -193,7 +195,7 @@ class MegatronLMPlugin:
         clip = self.gradient_clipping
         if isinstance(clip, bool) or not isinstance(clip, (int, float)) or not math.isfinite(clip) or clip < 0:
             raise MegatronPluginConfigError("gradient_clipping", clip, "use a finite norm > 0, or 0 to disable clipping")
-        self.custom_train_step_class = resolve_train_step_class(self.custom_train_step_class)
+        resolve_train_step_class(self.custom_train_step_class)
         if not isinstance(self.custom_train_step_kwargs, dict):
             raise MegatronPluginConfigError(
                 "custom_train_step_kwargs", self.custom_train_step_kwargs, "pass a dict of keyword arguments"

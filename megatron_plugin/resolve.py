@@ -35,7 +35,7 @@ from .fs import check_writable
 from .models import ModelFamily, check_model
 from .models.convert import mcore_to_hf_sources
 from .models.mapping import StagePlan
-from .plugin import MegatronLMPlugin, check_compile, check_cpu_support, uses_cuda_graphs
+from .plugin import MegatronLMPlugin, check_compile, check_cpu_support, resolve_train_step_class, uses_cuda_graphs
 
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -184,6 +184,8 @@ def resolve_step(plugin: MegatronLMPlugin, family: ModelFamily, variant: str, hf
 def _resolved_plugin(plugin: MegatronLMPlugin, **values) -> MegatronLMPlugin:
     """A copy of the user's plugin with what prepare decided; the user's object stays as it was."""
     out = copy.copy(plugin)
+    # a path set on the plugin after it was built (plugin.custom_train_step_class = "pkg.Step") imports here
+    out.custom_train_step_class = resolve_train_step_class(plugin.custom_train_step_class)
     out.other_megatron_args = dict(plugin.other_megatron_args)
     out.custom_train_step_kwargs = dict(plugin.custom_train_step_kwargs)
     for key, value in values.items():

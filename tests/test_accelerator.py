@@ -1,6 +1,8 @@
 """megatron_plugin.Accelerator: bad input is refused before any process group exists; eval mode
 returns HF's loss and logits; main_process_first and wait_for_everyone order the ranks."""
 
+import copy
+
 import torch
 from torch.utils.data import DataLoader
 
@@ -76,6 +78,7 @@ def _eval_worker():
     model = tiny_gpt2()
     opt = optimizer_for(model)
     plugin = MegatronLMPlugin(tp_degree=2, return_logits=True)
+    before = copy.deepcopy(vars(plugin))
     acc = Accelerator(megatron_lm_plugin=plugin)
     engine, opt, sched, loader = acc.prepare(
         model, opt, MegatronLMDummyScheduler(opt, total_num_steps=5), DataLoader(data, batch_size=4)
@@ -89,6 +92,8 @@ def _eval_worker():
         "logits_err": (out.logits - ref.logits).abs()[batch["attention_mask"].bool()].max().item(),
         "shape": tuple(out.logits.shape) == tuple(ref.logits.shape),
         "main_is_last": acc.is_main_process == (acc.process_index == acc.num_processes - 1),
+        # prepare decides on a copy: the user's plugin is as it was (a second Accelerator gets it unchanged)
+        "plugin_untouched": vars(plugin) == before and acc.state.megatron_lm_plugin is not plugin,
         # the default (None) resolves at prepare, into the accelerator's copy of the plugin (the user's stays
         # as it was); the fused weight-gradient GEMM is CUDA-only
         "wgrad_fusion": (plugin.gradient_accumulation_fusion, acc.state.megatron_lm_plugin.gradient_accumulation_fusion,
@@ -98,7 +103,7 @@ def _eval_worker():
 
 def test_eval_returns_hf_loss_and_logits_under_tp2():
     for res in run_on_ranks(_eval_worker, 2):
-        assert res["shape"] and res["main_is_last"]
+        assert res["shape"] and res["main_is_last"] and res["plugin_untouched"]
         assert res["loss_err"] < 1e-5 and res["logits_err"] < 1e-4, res
         assert res["wgrad_fusion"] == (None, False, False), res
 

@@ -107,7 +107,8 @@ def build_transformer_config(
     device_type: str = "cpu",
     overrides: Optional[dict] = None,
 ) -> TransformerConfig:
-    fields = family.transformer_config(hf_config)
+    architecture = family.transformer_config(hf_config)
+    fields = dict(architecture)
     on_gpu = device_type == "cuda"
     wgrad_fusion = on_gpu and bool(plugin.gradient_accumulation_fusion)  # prepare resolves None
     fields.update(
@@ -137,7 +138,7 @@ def build_transformer_config(
             fields.update(activation_func=F.gelu, bias_activation_fusion=True)
     if plugin.recompute_granularity == "full":
         fields.update(recompute_method=plugin.recompute_method, recompute_num_layers=plugin.recompute_num_layers)
-    fields.update(transformer_config_overrides(plugin.other_megatron_args, family.transformer_config(hf_config)))
+    fields.update(transformer_config_overrides(plugin.other_megatron_args, architecture))
     fields.update(overrides or {})
     with quiet(QUIET_CONFIG):
         return TransformerConfig(**fields)
