@@ -8,7 +8,7 @@ import importlib
 
 from .errors import MegatronPluginConfigError
 from .plugin import MegatronLMPlugin
-from .quiet import QUIET_IMPORT, quiet
+from . import quiet as _quiet
 
 _EXPORTS = {
     "Accelerator": ".accelerator",
@@ -32,10 +32,11 @@ def __getattr__(name):
     if name not in _EXPORTS:
         raise AttributeError(f"module 'megatron_plugin' has no attribute {name!r}")
     module = _EXPORTS[name]
-    with quiet(QUIET_IMPORT):
+    with _quiet.quiet(_quiet.QUIET_IMPORT):
         value = getattr(importlib.import_module(module, __name__ if module.startswith(".") else None), name)
     from . import patches
 
     # the script may build accelerate's own Accelerator next: patches.py says why this one comes here
     patches.install("accelerate_megatron_hint")
+    globals()[name] = value
     return value

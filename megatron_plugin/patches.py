@@ -3,9 +3,11 @@
 Megatron-Core picks some implementations at import time into module globals (apex's kernels, TE's fused
 rope); without TE or apex those globals hold slow loops or nothing. A patch here puts our
 implementation into such a global. Each one names the library version it was checked against and
-why it exists; `prepare` installs the ones its run needs (`for_run`), by name, once; `undo` puts back
-exactly what was there (tests do). `check_versions` fails when the installed library differs from the
-version the patches were read against, so an upgrade is a deliberate re-read, not a silent breakage.
+why it exists; `prepare` installs the ones its run needs (`for_run`), by name, once (so does
+`engine.distributed.initialize` for scripts that build models themselves); what needs one and finds it
+missing says so (`require`); `undo` puts back exactly what was there (tests do). `check_versions` lists
+the libraries whose installed version differs from the one the patches were read against (a test fails
+on it), so an upgrade is a deliberate re-read, not a silent breakage.
 
 The implementations live with their concern (`layers/foreach_ops.py`, `layers/wgrad.py`,
 `layers/rope.py`); this module is the only one that writes into another library's namespace.
@@ -16,6 +18,8 @@ from __future__ import annotations
 import importlib.metadata
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Tuple
+
+from .errors import MegatronPluginConfigError
 
 # the versions every patch below was read against
 CHECKED = {"megatron-core": "0.16.1", "accelerate": "1.15.0"}
@@ -155,6 +159,18 @@ def undo(*names: str) -> None:
                 delattr(obj, attr)
             else:
                 setattr(obj, attr, value)
+
+
+def require(what: str, *names: str) -> None:
+    """Raise a clear error when `what` needs patches that are not installed (a model or engine built
+    outside `prepare`): without them mcore fails deep inside (rope) or silently runs its slow loops."""
+    missing = [n for n in names if n not in _installed]
+    if missing:
+        raise MegatronPluginConfigError(
+            what, f"built without the patches {missing}",
+            f"build through accelerator.prepare or engine.distributed.initialize(plugin, hf_config), or call "
+            f"megatron_plugin.patches.install({', '.join(repr(n) for n in missing)}) first (patches.py says why)",
+        )
 
 
 def for_run(device_type: str, *, wgrad_fusion: bool, rotary: bool) -> Tuple[str, ...]:

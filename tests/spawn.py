@@ -35,7 +35,9 @@ def _reset_process_state():
     from megatron_plugin.engine.distributed import destroy
 
     destroy()
-    patches.undo()
+    # the run's patches go; accelerate's hint stays: a process installs it once, at its first use of a
+    # public name (cached after), as a script's process does
+    patches.undo(*(n for n in patches.installed() if n != "accelerate_megatron_hint"))
     try:
         from accelerate.state import AcceleratorState, GradientState
 

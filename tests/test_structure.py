@@ -145,3 +145,25 @@ def test_a_run_asks_for_the_patches_it_needs():
     assert patches.for_run("cpu", wgrad_fusion=False, rotary=False) == ("quiet_cuda_connections_warning",)
     assert patches.for_run("cuda", wgrad_fusion=True, rotary=True) == ("foreach_clip", "wgrad_fusion", "rope_tables")
     assert patches.for_run("cuda", wgrad_fusion=False, rotary=False) == ("foreach_clip",)
+
+
+def test_a_model_built_without_its_patches_says_which():
+    """Outside prepare/initialize, a rotary model's config needs the rope tables' patch: a clear error, not
+    mcore's 'apply_rope_fusion is not available' from deep inside."""
+    from megatron_plugin import MegatronLMPlugin, MegatronPluginConfigError, patches
+    from megatron_plugin.models import get_family
+    from megatron_plugin.models.gpt import build_transformer_config
+    from tests.models import llama_config
+
+    cfg = llama_config("llama")
+    was_installed = "rope_tables" in patches.installed()
+    patches.undo("rope_tables")
+    try:
+        with pytest.raises(MegatronPluginConfigError, match="rope_tables"):
+            build_transformer_config(get_family(cfg), cfg, MegatronLMPlugin())
+        patches.install("rope_tables")
+        assert build_transformer_config(get_family(cfg), cfg, MegatronLMPlugin()).apply_rope_fusion
+    finally:
+        patches.undo("rope_tables")
+        if was_installed:
+            patches.install("rope_tables")

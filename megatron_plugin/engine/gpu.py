@@ -20,6 +20,7 @@ from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
+from .. import patches
 from .base import MegatronEngine, average_logs
 from ..errors import MegatronPluginConfigError
 from . import device_clip
@@ -78,6 +79,7 @@ def transformer_layers(module):
 class MegatronCoreEngine(MegatronEngine):
     def __init__(self, chunks, user_optimizer, dummy_scheduler, plugin, train_step, device, dtype,
                  compile_kwargs: Optional[dict] = None):
+        patches.require("MegatronCoreEngine", "foreach_clip")
         config = chunks[0].config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,

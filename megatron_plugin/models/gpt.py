@@ -16,6 +16,7 @@ from .common import HFParityMixin, use_our_output_layer
 from ..layers.embedding import use_our_word_embeddings
 from ..layers.masks import add_window
 from ..layers.rope import RotaryEmbedding
+from .. import patches
 from ..quiet import QUIET_CONFIG, quiet
 from ..plugin import MegatronLMPlugin
 from ..layers.spec import block_spec
@@ -111,6 +112,8 @@ def build_transformer_config(
     fields = dict(architecture)
     on_gpu = device_type == "cuda"
     wgrad_fusion = on_gpu and bool(plugin.gradient_accumulation_fusion)  # prepare resolves None
+    patches.require(f"{family.name} model", *(["rope_tables"] if family.rotary else []),
+                    *(["wgrad_fusion"] if wgrad_fusion else []))
     fields.update(
         tensor_model_parallel_size=plugin.tp_degree,
         pipeline_model_parallel_size=plugin.pp_degree,

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from megatron.core import tensor_parallel
 
-from ..distributed import Layout, current_layout
+from ...layout import Layout, current_layout
 from .layout import chunk_key
 
 
