@@ -152,8 +152,8 @@ def install(*names: str) -> List[str]:
 
 
 def undo(*names: str) -> None:
-    """Put back what the named patches replaced (every installed one when none are named)."""
-    for name in names or list(_installed):
+    """Put back what the named patches replaced (`undo(*installed())` for all of them)."""
+    for name in names:
         for obj, attr, value in reversed(_installed.pop(name, [])):
             if value is _MISSING:
                 delattr(obj, attr)
