@@ -1,12 +1,19 @@
 """save_state: a save that dies part-way leaves the previous checkpoint as the one `latest` names,
-and it loads: model and iteration come back as saved."""
+and it loads: model and iteration come back as saved. A save of an older iteration into a folder that
+holds a newer checkpoint keeps the newer one, and says so. (Several ranks: test_checkpoint_reliability.)"""
 
+import logging
 import os
 
 import torch
 
+from tests.errors import check_refusal, refusal
 from tests.spawn import run_on_ranks
 from tests.training import prepared_gpt2
+
+
+def _weights(engine):
+    return {k: v.clone() for k, v in engine.model.module.state_dict().items() if not k.endswith("_extra_state")}
 
 
 def _crash_worker(ckpt):
@@ -14,7 +21,7 @@ def _crash_worker(ckpt):
 
     acc, engine, batches = prepared_gpt2(steps_before=2)
     acc.save_state(ckpt)
-    saved = {k: v.clone() for k, v in engine.model.module.state_dict().items() if not k.endswith("_extra_state")}
+    saved = _weights(engine)
     engine(**next(batches))  # the weights move on past the checkpoint
 
     real_save = ckpt_mod.save_file
@@ -25,10 +32,7 @@ def _crash_worker(ckpt):
 
     ckpt_mod.save_file = dying_save
     try:
-        acc.save_state(ckpt)
-        crashed = False
-    except OSError:
-        crashed = True
+        crashed = refusal(acc.save_state, ckpt)
     finally:
         ckpt_mod.save_file = real_save
     with open(os.path.join(ckpt, "latest")) as f:
@@ -48,9 +52,55 @@ def _crash_worker(ckpt):
 
 
 def test_crash_mid_save_keeps_previous_checkpoint(tmp_path):
-    # One rank: a real crash kills every rank, which a test can't do to a multi-rank group cleanly;
-    # the files are left as a killed save leaves them.
+    # One rank, its save failing after its model file: the error is clear and `latest` is untouched
+    # (two ranks, one failing or killed: test_checkpoint_reliability).
     (res,) = run_on_ranks(_crash_worker, 1, str(tmp_path / "ckpt"))
-    assert res["crashed"]
+    check_refusal(res["crashed"], "save_state(output_dir)", "rank 0", "OSError: disk full (simulated)")
     assert res["latest"] == "iter_0000002" and res["iteration"] == 2 and res["engine_iteration"] == 2
     assert res["moved"] and res["restored"]
+
+
+
+def _older_over_newer_worker(root):
+    acc, engine, batches = prepared_gpt2(steps_before=2)
+    old_dir, ckpt = os.path.join(root, "old"), os.path.join(root, "ckpt")
+    acc.save_state(old_dir)
+    at2 = _weights(engine)
+    engine(**next(batches))
+    engine(**next(batches))
+    acc.save_state(ckpt)  # iteration 4
+    at4 = _weights(engine)
+    acc.load_state(old_dir)  # back at iteration 2, as a run resumed from an older checkpoint
+    records = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = records.append
+    logger = logging.getLogger("megatron_plugin.engine.checkpoint")
+    logger.addHandler(handler)
+    try:
+        written = acc.save_state(ckpt)  # iteration 2 into the folder holding iteration 4
+    finally:
+        logger.removeHandler(handler)
+    with open(os.path.join(ckpt, "latest")) as f:
+        latest = f.read().strip()
+    entries = sorted(os.listdir(ckpt))
+    newer = acc.load_state(os.path.join(ckpt, "iter_0000004"))["iteration"], engine.iteration
+    newer_equal = all(torch.equal(v, at4[k]) for k, v in _weights(engine).items())
+    latest_meta = acc.load_state(ckpt)["iteration"], engine.iteration
+    latest_equal = all(torch.equal(v, at2[k]) for k, v in _weights(engine).items())
+    return {"written": os.path.basename(written), "latest": latest, "entries": entries, "newer": newer,
+            "newer_equal": newer_equal, "latest_meta": latest_meta, "latest_equal": latest_equal,
+            "warnings": [r.getMessage() for r in records if r.levelno == logging.WARNING],
+            "differ": any(not torch.equal(v, at4[k]) for k, v in at2.items())}
+
+
+def test_saving_an_older_iteration_keeps_the_newer_checkpoint(tmp_path):
+    (res,) = run_on_ranks(_older_over_newer_worker, 1, str(tmp_path))
+    ckpt = str(tmp_path / "ckpt")
+    assert res["written"] == res["latest"] == "iter_0000002"  # `latest` names what was just written
+    assert res["entries"] == ["iter_0000002", "iter_0000004", "latest"]  # the newer one is kept
+    assert res["newer"] == (4, 4) and res["newer_equal"] and res["differ"]
+    assert res["latest_meta"] == (2, 2) and res["latest_equal"]
+    (message,) = res["warnings"]
+    for words in (ckpt, "iter_0000004 of iteration 4", "is kept", "iter_0000002 of iteration 2",
+                  os.path.join(ckpt, "iter_0000004")):
+        assert words in message, (words, message)

@@ -1,6 +1,7 @@
 """`NativeFormat`: this package's own checkpoint format, `megatron_plugin/1` (see `layout` for the
-files). Saving is crash-safe (`native_save`); a load at this run's layout checks and copies each rank's
-files (`native_load`), one of another layout is resharded through HF names (`native_reshard`)."""
+files). Saving is crash-safe (`native_save`); a load first checks that the checkpoint is of this run's
+model (`same_model`), then at this run's layout checks and copies each rank's files (`native_load`), or
+at another layout reshards them through HF names (`native_reshard`)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from .layout import FORMAT, is_checkpoint_dir, read_meta, resolve_checkpoint
 from .native_load import load_same_layout
 from .native_reshard import load_resharded
 from .native_save import save
+from .same_model import check_same_model
 from .state import TrainingState
 
 
@@ -24,15 +26,18 @@ class NativeFormat(CheckpointFormat):
 
     def load(self, input_dir: str, state: TrainingState) -> dict:
         """Every file is checked against the checksum saved with it before anything is loaded. A
-        checkpoint of another TP/PP layout is resharded."""
-        ckpt, meta = agree(lambda: _locate(input_dir))
+        checkpoint of another TP/PP layout is resharded; one of another model is refused."""
+        ckpt, meta = agree(lambda: _locate(input_dir, state))
         grid = state.layout
         if (meta["tp"], meta["pp"], meta.get("vpp")) != (grid.tp_size, grid.pp_size, state.vpp):
             return load_resharded(ckpt, meta, state)
         return load_same_layout(ckpt, meta, state)
 
 
-def _locate(input_dir: str):
-    """(checkpoint folder, its meta.json) of a save folder or of a checkpoint folder."""
+def _locate(input_dir: str, state: TrainingState):
+    """(checkpoint folder, its meta.json) of a save folder or of a checkpoint folder, once it is known to
+    hold a checkpoint of this run's model."""
     ckpt = resolve_checkpoint(input_dir)
-    return ckpt, read_meta(ckpt)
+    meta = read_meta(ckpt)
+    check_same_model(ckpt, meta, state)
+    return ckpt, meta

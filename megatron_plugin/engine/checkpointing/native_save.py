@@ -2,7 +2,9 @@
 
 Every rank writes into a staging folder; only when all are done does rank 0 rename it into place and
 then point `latest` at it. A crash at any moment leaves `latest` naming a complete checkpoint (the
-previous one), and a half-written staging folder is never what a load reads.
+previous one), and a half-written staging folder is never what a load reads. A rank that fails while
+writing (a full disk) stops every rank with one error, and the staging folder is removed; no rank is left
+waiting in a collective for it.
 """
 
 from __future__ import annotations
@@ -30,16 +32,28 @@ logger = logging.getLogger("megatron_plugin.engine.checkpoint")
 def save(output_dir: str, state: TrainingState) -> str:
     """Collective: every rank calls it. Returns the checkpoint's folder.
 
-    The folder holds one checkpoint: the previous one (whatever its iteration) is deleted once the new
-    one is complete and `latest` names it."""
+    The previous checkpoint (the one `latest` named) is deleted once the new one is complete and `latest`
+    names it, unless it is of a later iteration: a newer checkpoint is kept, with a warning."""
     output_dir = os.path.abspath(output_dir)
     tag = _open_staging(output_dir, state.iteration)
     staging = _staging_dir(output_dir, tag)
-    files = _write_rank_files(staging, state)
+    files = _write_rank_files(output_dir, staging, state)
+    problem = None
     if state.layout.rank == 0:
-        _commit(output_dir, tag, state, files)
-    dist.barrier()
+        try:
+            _commit(output_dir, tag, state, files)
+        except Exception as err:  # whatever it is, every rank hears of it rather than wait in a collective
+            problem = ("save_state(output_dir)", output_dir,
+                       f"the checkpoint could not be committed ({type(err).__name__}: {err}); {_kept(output_dir)}")
+    broadcast_error(problem)  # also what keeps the other ranks until rank 0 has committed
     return os.path.join(output_dir, tag)
+
+
+def _kept(output_dir: str) -> str:
+    """What a failed save leaves, and what to do."""
+    previous = read_latest(output_dir)
+    left = f"`latest` still names {previous}" if previous else "the folder holds no checkpoint"
+    return f"nothing was saved and {left}: free space or choose another folder, then save again"
 
 
 def _staging_dir(output_dir: str, tag: str) -> str:
@@ -73,11 +87,39 @@ def _open_staging(output_dir: str, iteration: int) -> str:
     return tag[0]
 
 
-def _write_rank_files(staging: str, state: TrainingState) -> dict:
-    """Collective: this rank's files into the staging folder; returns every rank's {relpath: checksum}."""
+def _write_rank_files(output_dir: str, staging: str, state: TrainingState) -> dict:
+    """Collective: this rank's files into the staging folder; returns every rank's {relpath: checksum}.
+    If any rank fails to write, rank 0 removes the staging folder and every rank raises the same error."""
+    grid = state.layout
+    sums, problem, cause = None, None, None
+    try:
+        sums = _write_files(staging, state)
+    except Exception as err:  # a full disk, a failing file system: told to every rank below
+        problem, cause = f"rank {grid.rank} could not write its part of the checkpoint ({type(err).__name__}: {err})", err
+    everyone = [None] * grid.world_size
+    dist.all_gather_object(everyone, (sums, problem))
+    failed = [p for _, p in everyone if p is not None]
+    if failed:
+        if grid.rank == 0:  # every rank has stopped writing: the half-written checkpoint goes
+            shutil.rmtree(staging, ignore_errors=True)
+        dist.barrier()  # gone before any rank returns
+        raise MegatronPluginConfigError(
+            "save_state(output_dir)", output_dir, f"{'; '.join(failed)}; {_kept(output_dir)}") from cause
+    return {k: v for part, _ in everyone for k, v in part.items()}
+
+
+def _write_files(staging: str, state: TrainingState) -> dict:
+    """This rank's files; returns their {relpath: checksum}. The distributed optimizer's state is gathered
+    first, a collective every rank reaches before any rank can fail on its own files."""
     grid = state.layout
     name = shard_name(grid.tp_rank, grid.pp_rank)
     written = []
+    if state.distributed_optimizer:
+        # mcore gathers the DP-sharded optimizer state onto DP rank 0 of each model-parallel rank
+        path = os.path.join(staging, optimizer_file(name, "param_state.pt"))
+        state.optimizer.save_parameter_state(path)
+        if grid.dp_rank == 0:
+            written.append(path)
     if grid.dp_rank == 0:
         tensors = {k: v.detach().contiguous().cpu() for k, v in state.named_tensors()}
         save_file(tensors, model_file(staging, grid.tp_rank, grid.pp_rank))
@@ -88,12 +130,6 @@ def _write_rank_files(staging: str, state: TrainingState) -> dict:
             # which parameter each state index is: what a load into another layout reshards by
             written.append(os.path.join(staging, optimizer_file(name, "names.json")))
             atomic_write_text(written[-1], json.dumps(state.optimizer_param_names()))
-    if state.distributed_optimizer:
-        # mcore gathers the DP-sharded optimizer state onto DP rank 0 of each model-parallel rank
-        path = os.path.join(staging, optimizer_file(name, "param_state.pt"))
-        state.optimizer.save_parameter_state(path)
-        if grid.dp_rank == 0:
-            written.append(path)
     written.append(os.path.join(staging, rng_file(grid.rank)))
     torch.save(state.rng_state(), written[-1])
     if grid.rank == 0 and state.scheduler is not None:
@@ -103,15 +139,13 @@ def _write_rank_files(staging: str, state: TrainingState) -> dict:
         for i, obj in enumerate(state.custom_objects):
             written.append(os.path.join(staging, custom_file(i)))
             torch.save(obj.state_dict(), written[-1])
-    sums = {os.path.relpath(p, staging): file_checksum(p) for p in written}
-    everyone = [None] * grid.world_size
-    dist.all_gather_object(everyone, sums)
-    return {k: v for part in everyone for k, v in part.items()}
+    return {os.path.relpath(p, staging): file_checksum(p) for p in written}
 
 
 def _commit(output_dir: str, tag: str, state: TrainingState, files: dict) -> None:
     """Rank 0, once every rank's files are written: meta.json last, the staging folder renamed into
-    place, `latest` pointed at it (the commit), then the previous checkpoint removed."""
+    place, `latest` pointed at it (the commit), then the previous checkpoint removed, unless it is newer
+    than this one: that one is kept, with a warning."""
     staging, final, grid = _staging_dir(output_dir, tag), os.path.join(output_dir, tag), state.layout
     write_meta(os.path.join(staging, META), dict(checkpoint_meta(
         iteration=state.iteration, tp=grid.tp_size, pp=grid.pp_size, dp=grid.dp_size, vpp=state.vpp,
@@ -120,10 +154,13 @@ def _commit(output_dir: str, tag: str, state: TrainingState, files: dict) -> Non
     os.replace(staging, final)
     previous = read_latest(output_dir)
     point_latest(output_dir, tag)
-    if previous and previous != tag:
-        old = iteration_of(os.path.join(output_dir, previous))
-        if old is not None and old > state.iteration:
-            logger.warning(
-                "save_state: %s held a checkpoint of iteration %d; it is replaced by this one of iteration %d "
-                "(a save_state folder keeps the last checkpoint saved into it)", output_dir, old, state.iteration)
-        shutil.rmtree(os.path.join(output_dir, previous), ignore_errors=True)
+    if not previous or previous == tag:
+        return
+    old = iteration_of(os.path.join(output_dir, previous))
+    if old is not None and old > state.iteration:
+        logger.warning(
+            "save_state: %s holds a newer checkpoint, %s of iteration %d; it is kept, and `latest` now names "
+            "%s of iteration %d, just saved (load_state loads it; pass %s to load the newer one)", output_dir,
+            previous, old, tag, state.iteration, os.path.join(output_dir, previous))
+        return
+    shutil.rmtree(os.path.join(output_dir, previous), ignore_errors=True)

@@ -1,0 +1,153 @@
+"""Checkpoints under the faults a real run meets.
+
+- load_state refuses a checkpoint of another model (other layer count, MLP width, family, variant) before
+  anything is loaded, naming each setting that differs, on the same-layout path and the resharding path;
+  the same model in another TP layout, or with settings that shape no weight (dropout), still loads.
+- A rank failing part-way through save_state stops every rank with one clear error (none is left waiting
+  in a collective), and a rank killed part-way leaves `latest` naming the previous checkpoint: a fresh
+  load gets it back bit for bit, with its iteration.
+"""
+
+import os
+
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from checkpoint_utils import convert_hf_to_megatron
+from tests.errors import check_refusal, refusal
+from tests.models import tiny_gpt2, tiny_llama
+from tests.spawn import run_on_ranks
+from tests.training import optimizer_for, token_dataset
+
+
+def _prepared(tp, seed):
+    """A tiny 2-layer GPT-2 (`seed`: its initial weights) prepared at `tp` on every process."""
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+    model = tiny_gpt2("tied", seed=seed)
+    opt = optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=tp))
+    engine, opt, sched, loader = acc.prepare(
+        model, opt, MegatronLMDummyScheduler(opt, total_num_steps=10), DataLoader(token_dataset(24, 1000), batch_size=4)
+    )
+    engine.train()
+    return acc, engine, iter(loader)
+
+
+def _weights(engine):
+    return {k: v.clone() for k, v in engine.model.module.state_dict().items() if not k.endswith("_extra_state")}
+
+
+def _same(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# -- a checkpoint of another model -----------------------------------------------------------------------
+# name -> (the HF model the checkpoint is converted from, its TP size); the run is 2-layer GPT-2 at TP=2,
+# so a TP=2 checkpoint takes the same-layout path and a TP=1 one the resharding path
+OTHERS = {
+    "layers_tp2": (lambda: tiny_gpt2("tied", n_layer=3), 2),  # the issue: it loaded, and training went on
+    "layers_ffn_tp1": (lambda: tiny_gpt2("tied", n_layer=3, n_inner=128), 1),
+    "llama_tp2": (lambda: tiny_llama("llama"), 2),
+    "base_tp2": (lambda: tiny_gpt2("tied", lm_head=False), 2),
+}
+SAME = {
+    "same_tp2": (lambda: tiny_gpt2("tied", seed=1), 2),
+    "same_dropout_tp1": (lambda: tiny_gpt2("tied", seed=2, attn_pdrop=0.1, resid_pdrop=0.1), 1),
+}
+
+
+def _load_other_models(root):
+    acc, engine, _ = _prepared(tp=2, seed=5)
+    before = _weights(engine)
+    out = {name: refusal(acc.load_state, os.path.join(root, name)) for name in OTHERS}
+    out["untouched"] = _same(_weights(engine), before) and engine.iteration == 0
+    for name in SAME:
+        got = refusal(acc.load_state, os.path.join(root, name))
+        source = SAME[name][0]().state_dict()
+        loaded = engine.hf_state_dict()
+        out[name] = (got, all(torch.equal(loaded[k], source[k]) for k in loaded))
+    return out
+
+
+def test_a_checkpoint_of_another_model_is_refused_naming_the_settings(tmp_path):
+    for name, (make, tp) in {**OTHERS, **SAME}.items():
+        make().save_pretrained(tmp_path / "hf" / name)
+        convert_hf_to_megatron(str(tmp_path / "hf" / name), str(tmp_path / name), tp=tp, progress=False)
+    fix = "load it into a model built from the checkpoint's config"
+    for res in run_on_ranks(_load_other_models, 2, str(tmp_path)):  # every rank refuses alike
+        check_refusal(res["layers_tp2"], "load_state", str(tmp_path / "layers_tp2"),
+                      "num_hidden_layers: checkpoint 3, this model 2", fix)
+        check_refusal(res["layers_ffn_tp1"], "load_state", str(tmp_path / "layers_ffn_tp1"),
+                      "num_hidden_layers: checkpoint 3, this model 2", "intermediate_size: checkpoint 128, this model 256", fix)
+        assert "hidden_size" not in res["layers_ffn_tp1"][1]  # only what differs is named
+        check_refusal(res["llama_tp2"], "load_state", "family: checkpoint llama, this model gpt2", fix)
+        check_refusal(res["base_tp2"], "load_state", "variant: checkpoint base, this model lm", fix)
+        assert res["untouched"]  # refused before anything was loaded
+        # the same model loads, resharded or not, whatever its settings that shape no weight
+        assert res["same_tp2"] == (None, True) and res["same_dropout_tp1"] == (None, True)
+
+
+# -- a rank failing or dying inside save_state -----------------------------------------------------------
+def _dying_save(root, how):
+    import torch.distributed as dist
+
+    import megatron_plugin.engine.checkpointing.native_save as save_mod
+
+    acc, engine, batches = _prepared(tp=2, seed=0)
+    rank = dist.get_rank()
+    engine(**next(batches))
+    engine(**next(batches))
+    ckpt = os.path.join(root, "ckpt")
+    acc.save_state(ckpt)
+    torch.save(_weights(engine), os.path.join(root, f"saved{rank}.pt"))
+    engine(**next(batches))  # the weights move on past the checkpoint
+
+    real_save = save_mod.save_file
+
+    def dying_save(tensors, path, *args, **kwargs):  # writes its model shard, then fails or dies
+        real_save(tensors, path, *args, **kwargs)
+        if how == "exit":
+            os._exit(1)
+        raise OSError("disk full (simulated)")
+
+    if rank == 1:
+        save_mod.save_file = dying_save
+    try:
+        got = refusal(acc.save_state, ckpt)
+    finally:
+        save_mod.save_file = real_save
+    with open(os.path.join(ckpt, "latest")) as f:
+        latest = f.read().strip()
+    return {"refusal": got, "latest": latest, "entries": sorted(os.listdir(ckpt)), "iteration": engine.iteration}
+
+
+def _fresh_load(root):
+    import torch.distributed as dist
+
+    acc, engine, _ = _prepared(tp=2, seed=5)  # other initial weights: the load must replace them
+    meta = acc.load_state(os.path.join(root, "ckpt"))
+    saved = torch.load(os.path.join(root, f"saved{dist.get_rank()}.pt"))
+    return {"iteration": meta["iteration"], "engine_iteration": engine.iteration,
+            "restored": _same(_weights(engine), saved)}
+
+
+def test_a_rank_failing_mid_save_stops_every_rank_and_the_previous_checkpoint_loads(tmp_path):
+    for res in run_on_ranks(_dying_save, 2, str(tmp_path), "raise"):  # returns: no rank hangs
+        check_refusal(res["refusal"], "save_state(output_dir)", str(tmp_path / "ckpt"), "rank 1",
+                      "OSError: disk full (simulated)", "latest", "iter_0000002")
+        assert res["latest"] == "iter_0000002" and res["iteration"] == 3
+        assert res["entries"] == ["iter_0000002", "latest"]  # the half-written checkpoint is cleared away
+    for res in run_on_ranks(_fresh_load, 2, str(tmp_path)):
+        assert res == {"iteration": 2, "engine_iteration": 2, "restored": True}
+
+
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_to_load(tmp_path):
+    with pytest.raises(AssertionError, match="died|failed"):  # the launcher sees the lost rank
+        run_on_ranks(_dying_save, 2, str(tmp_path), "exit")
+    entries = sorted(os.listdir(tmp_path / "ckpt"))
+    assert "iter_0000002" in entries and "iter_0000003" not in entries
+    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000002"
+    for res in run_on_ranks(_fresh_load, 2, str(tmp_path)):  # fresh processes, as a relaunched job
+        assert res == {"iteration": 2, "engine_iteration": 2, "restored": True}
