@@ -342,6 +342,152 @@ def test_a_bad_batch_on_one_rank_stops_all_ranks(defer):
     assert "this rank's batch" in got[1] and "another rank's batch" in got[0]
 
 
+def _rank_batches(tp, differ, defer=False):
+    """Two ranks at TP=`tp` (else DP=2), each generating its own rows: with `differ`, seeded by its rank
+    (as a script without a shared seed would). Returns (refusal, weights untouched), or (loss, skipped)."""
+    import torch.distributed as dist
+
+    acc, engine = _prepare(plugin=MegatronLMPlugin(tp_degree=tp), micro=4)
+    engine.train()
+    if defer:
+        engine.can_defer_batch_check = lambda: True
+    data = token_dataset(4, 1000, seed=10 + (dist.get_rank() if differ else 0))
+    batch = {k: torch.stack([d[k] for d in data]) for k in ("input_ids", "attention_mask", "labels")}
+    before = {k: v.clone() for k, v in engine.hf_state_dict().items()}
+    got = refusal(engine, **batch)
+    if got is not None:
+        return got, all(torch.equal(v, engine.hf_state_dict()[k]) for k, v in before.items())
+    return engine(**batch).loss.item(), engine.last_step_skipped
+
+
+@pytest.mark.parametrize("defer", [False, True], ids=["read_before_step", "read_after_first_forward"])
+def test_tensor_parallel_ranks_given_different_batches_are_refused(defer):
+    """TP ranks compute one model: given different batches they would train on a mixture of both. Every
+    rank refuses, before any weight moves; the same batch trains; data-parallel ranks may differ."""
+    for got, untouched in run_on_ranks(_rank_batches, 2, 2, True, defer):
+        check_refusal(got, "batch", "tensor-parallel ranks were given different batches", "tp rank 1",
+                      "the same batch on every rank", "DataLoader", "seed", exact=True)
+        assert untouched
+    same = run_on_ranks(_rank_batches, 2, 2, False, defer)
+    assert same[0] == same[1] and same[0][0] == same[0][0] and not same[0][1], same  # one finite loss, trained
+    dp = run_on_ranks(_rank_batches, 2, 1, True, defer)
+    assert dp[0] == dp[1] and dp[0][0] == dp[0][0] and not dp[0][1], dp  # DP-averaged loss, no refusal
+
+
+def _checksum_collisions():
+    """The batch checksum of batches that differ a little: a row swap, one token, one mask bit, a
+    label moved to another key, one more column."""
+    from megatron_plugin.engine.batch_check import batch_checksum
+
+    ids = torch.arange(32).reshape(4, 8) * 37 % 1000
+    base = {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+    variants = [
+        dict(base, input_ids=ids[[1, 0, 2, 3]]),
+        dict(base, input_ids=ids.clone().index_put_((torch.tensor(2), torch.tensor(5)), torch.tensor(999))),
+        dict(base, attention_mask=torch.ones_like(ids).index_put_((torch.tensor(3), torch.tensor(7)), torch.tensor(0))),
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "shift_labels": ids.clone()},
+        dict(base, input_ids=torch.cat([ids, ids[:, :1]], 1)),
+        dict(base, labels=ids.clone().fill_(-100)),
+        dict(base, input_ids=ids + 2**40),  # beyond any vocabulary: still exact
+    ]
+    sums = [int(batch_checksum(b)) for b in [base] + variants]
+    return sums, int(batch_checksum(dict(base))), int(batch_checksum({k: v.int() for k, v in base.items()}))
+
+
+def test_batch_checksum_tells_batches_apart():
+    sums, again, as_int32 = _checksum_collisions()
+    assert len(set(sums)) == len(sums), sums
+    assert again == sums[0] == as_int32  # the same values give the same sum, whatever the integer type
+    assert all(0 <= s < 2**31 for s in sums)  # summed over thousands of ranks in int64 without overflow
+
+
+def _labels_shaped_unlike_ids(one_rank):
+    """GPT labels one token short of input_ids (on both ranks, or on rank 1 only)."""
+    import torch.distributed as dist
+
+    acc, engine = _prepare(plugin=MegatronLMPlugin(), micro=4)
+    engine.train()
+    batch = {k: torch.stack([d[k] for d in token_dataset(4, 1000)]) for k in ("input_ids", "labels")}
+    if not one_rank or dist.get_rank() == 1:
+        batch["labels"] = batch["labels"][:, 1:]
+    out = {}
+    expect = expecter(out)
+    expect("step", engine, **batch)
+    expect("log_probs", engine.compute_log_probs, batch)
+    return out
+
+
+def test_labels_shaped_unlike_input_ids():
+    for got in run_on_ranks(_labels_shaped_unlike_ids, 2, False):
+        for case in ("step", "log_probs"):
+            check_refusal(got[case], "batch['labels']", "(4, 15)", "(4, 16)", "one label per token", exact=True)
+    got = run_on_ranks(_labels_shaped_unlike_ids, 2, True)  # only rank 1's: both ranks stop, none hangs
+    check_refusal(got[1]["step"], "batch['labels']", "(4, 15)")
+    check_refusal(got[0]["step"], "batch", "another rank", exact=True)
+
+
+def _bert_and_t5_label_shapes():
+    from tests.models import tiny_bert, tiny_t5
+    from tests.training import mlm_dataset, seq2seq_dataset
+
+    out = {}
+    expect = expecter(out, keep_result=True)
+    data = mlm_dataset(4, 333)
+    acc, engine = _prepare(model=tiny_bert("bert", "mlm"), data=data, micro=4)
+    engine.train()
+    batch = {k: torch.stack([d[k] for d in data]) for k in data[0]}
+    expect("bert", engine, **dict(batch, labels=batch["labels"][:, :-2]))
+    data = seq2seq_dataset(4, 99)
+    acc, engine = _prepare(model=tiny_t5(), data=data, micro=4)
+    engine.train()
+    batch = {k: torch.stack([d[k] for d in data]) for k in data[0]}
+    assert batch["labels"].shape != batch["input_ids"].shape  # decoder-side: a valid T5 batch
+    expect("t5", lambda: engine(**batch).loss.item())
+    expect("t5_decoder_mask", engine, **dict(batch, decoder_attention_mask=batch["decoder_attention_mask"][:, :-1]))
+    return out
+
+
+def test_bert_and_t5_label_shapes():
+    (got,) = run_on_ranks(_bert_and_t5_label_shapes, 1)
+    check_refusal(got["bert"], "batch['labels']", "(4, 14)", "(4, 16)", exact=True)
+    assert got["t5"] == got["t5"] and isinstance(got["t5"], float), got  # T5 labels need not be input_ids' length
+    check_refusal(got["t5_decoder_mask"], "batch['decoder_attention_mask']", "(4, 7)", "(4, 8)", exact=True)
+
+
+def _backward_on_the_returned_loss():
+    """A script calling loss.backward() on the loss the step returned (the step already ran backward)."""
+    import warnings
+
+    acc, engine = _prepare(plugin=MegatronLMPlugin(), micro=4)
+    engine.train()
+    batch = {k: torch.stack([d[k] for d in token_dataset(4, 1000)]) for k in ("input_ids", "labels")}
+    loss = engine(**batch).loss
+    value = loss.item()
+    after_step = {k: v.clone() for k, v in engine.hf_state_dict().items()}
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        loss.backward()
+        loss.backward()  # again: harmless
+        acc.backward(loss)  # the right call: a no-op, silent
+        unchanged = all(torch.equal(v, engine.hf_state_dict()[k]) for k, v in after_step.items())
+        grads = [n for n, p in engine.named_parameters() if p.grad is not None]
+        second = engine(**batch).loss
+        second.backward()  # a later step's: the warning was given once
+        moved = not all(torch.equal(v, engine.hf_state_dict()[k]) for k, v in after_step.items())
+    return dict(messages=[str(w.message) for w in caught if "backward" in str(w.message)], value=value,
+                item=loss.item(), detached=loss.detach().item(), as_float=float(loss), unchanged=unchanged,
+                grads=grads, moved=moved, second=second.item())
+
+
+def test_loss_backward_on_the_returned_loss_warns_once():
+    for got in run_on_ranks(_backward_on_the_returned_loss, 2):
+        assert len(got["messages"]) == 1, got["messages"]
+        assert "accelerator.backward" in got["messages"][0] and "already" in got["messages"][0], got["messages"]
+        assert got["item"] == got["detached"] == got["as_float"] == got["value"]  # the value is the step's
+        assert got["unchanged"] and got["grads"] == [], got  # loss.backward() changed no weight, left no grad
+        assert got["moved"] and got["second"] == got["second"] and got["second"] != got["value"]  # training goes on
+
+
 # -- checkpoints ---------------------------------------------------------------------------------------
 def _save_into(path):
     acc, engine = _prepare(plugin=MegatronLMPlugin(tp_degree=2), micro=4)

@@ -1,3 +1,8 @@
+import torch
+
+from megatron_plugin.errors import MegatronPluginConfigError
+
+
 class AbstractTrainStep:
     """A train step supplies three functions to the engine:
 
@@ -7,12 +12,15 @@ class AbstractTrainStep:
 
     Class attributes the engine reads: `input_key`, the batch key whose [rows, tokens] shape lays out
     the micro-batches; `loss_log_key`, the logged value returned as the output's `.loss` (None: the
-    sum of the logged scalars, as accelerate does).
+    sum of the logged scalars, as accelerate does); `same_shape`, (key, like, what) rules: a batch
+    tensor under `key` must have the shape of the one under `like` when both are given (`what` says
+    what it holds, for the error).
     """
 
     model_output_class = None
     input_key = "input_ids"
     loss_log_key = None
+    same_shape = ()
 
     def __init__(self, name):
         self.name = name
@@ -29,6 +37,17 @@ class AbstractTrainStep:
     def count_loss_tokens(self, batch):
         """How many tokens of this (whole, local) batch carry a loss, as a tensor; None if unknown. The
         engine skips a step whose global batch has none, rather than stepping on a zero loss."""
+        return None
+
+    def check_shapes(self, batch):
+        """An error for a tensor of the batch shaped unlike its `same_shape` partner, else None. The
+        engine checks it for every batch, with a loss or without (log-probs read labels too), before
+        `check_batch`, on every rank alike."""
+        for key, like, what in self.same_shape:
+            t, ref = batch.get(key), batch.get(like)
+            if torch.is_tensor(t) and torch.is_tensor(ref) and t.shape != ref.shape:
+                return MegatronPluginConfigError(f"batch[{key!r}]", tuple(t.shape),
+                                                 f"pass {what}, shaped like {like} {tuple(ref.shape)}")
         return None
 
     def check_batch(self, batch):

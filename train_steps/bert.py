@@ -19,6 +19,8 @@ class BertTrainStep(AbstractTrainStep):
     HF's BertForPreTraining; logs 'lm loss' and 'sop loss'."""
 
     model_output_class = MaskedLMOutput
+    same_shape = (("labels", "input_ids", "one MLM label per token (-100 where none)"),
+                  ("token_type_ids", "input_ids", "one segment id per token"))
 
     def __init__(self, megatron_args, **kwargs):
         super().__init__("BertTrainStep")

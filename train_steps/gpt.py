@@ -3,7 +3,6 @@ from functools import partial
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
-from megatron_plugin.errors import MegatronPluginConfigError
 from megatron_plugin.models.causal import causal_lm_inputs
 
 from .base import AbstractTrainStep
@@ -27,6 +26,8 @@ class GPTTrainStep(AbstractTrainStep):
     datasets yield them, since their labels are the next tokens including the one after the window."""
 
     model_output_class = CausalLMOutputWithCrossAttentions
+    same_shape = (("labels", "input_ids", "one label per token (-100 where none)"),
+                  ("shift_labels", "input_ids", "one target per token (-100 where none)"))
 
     def __init__(self, megatron_args, **kwargs):
         super().__init__("GPTTrainStep")
@@ -55,15 +56,6 @@ class GPTTrainStep(AbstractTrainStep):
 
     def count_loss_tokens(self, batch):
         return (self._shifted_labels(batch) != IGNORE_INDEX).sum()
-
-    def check_batch(self, batch):
-        given, ids = batch.get("shift_labels"), batch.get("input_ids")
-        if torch.is_tensor(given) and torch.is_tensor(ids) and given.shape != ids.shape:
-            return MegatronPluginConfigError(
-                "batch['shift_labels']", tuple(given.shape),
-                f"pass one target per token, shaped like input_ids {tuple(ids.shape)} (-100 where none)",
-            )
-        return None
 
     def get_batch_func(self, *args, **kwargs):
         def get_batch(data_iterator):

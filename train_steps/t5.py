@@ -16,6 +16,10 @@ class T5TrainStep(AbstractTrainStep):
     `decoder_attention_mask`. Loss = mean over labelled tokens, as T5ForConditionalGeneration's."""
 
     model_output_class = Seq2SeqLMOutput
+    # labels are the decoder's targets: their length is the decoder's, not input_ids'
+    same_shape = (("decoder_input_ids", "labels", "one decoder input per target token"),
+                  ("decoder_attention_mask", "labels", "one decoder mask value per target token"),
+                  ("decoder_attention_mask", "decoder_input_ids", "one mask value per decoder input"))
 
     def __init__(self, megatron_args, **kwargs):
         super().__init__("T5TrainStep")

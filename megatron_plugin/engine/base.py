@@ -3,8 +3,9 @@
 In train mode `engine(**batch)` runs one whole optimizer step: the batch is cut into the plugin's
 micro-batches, each goes forward and backward through the train step, gradients are averaged over
 data-parallel ranks and clipped to the global norm, and optimizer and LR scheduler step. It returns an
-HF-style output whose `.loss` is already averaged over data-parallel ranks. In eval mode it returns the
-loss (and, with `return_logits`, the logits) without touching gradients.
+HF-style output whose `.loss` is already averaged over data-parallel ranks (its backward has run: a
+script's `loss.backward()` on it does nothing but warn once, see `ReturnedLoss`). In eval mode it returns
+the loss (and, with `return_logits`, the logits) without touching gradients.
 
 This base holds what every engine shares: the batch's checks and its micro-batches, eval and
 forward-only passes run micro-batch by micro-batch, log-probs, post-training state (offload,
@@ -16,6 +17,7 @@ subclass's: `CPUEngine` (engine/cpu.py, torch.distributed collectives) or `Megat
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Dict, List
 
 import torch
@@ -29,6 +31,46 @@ from .batch_check import BatchCheck, DeferredCheck, NoLossInStep
 from .logprobs import LogProbs
 from .post_training import PostTrainingState
 from .rng import ModelRNG
+
+
+class _StepAlreadyRan(torch.autograd.Function):
+    """The autograd node of a training step's returned loss: its backward only calls `notice`."""
+
+    @staticmethod
+    def forward(ctx, loss, anchor, notice):
+        ctx.notice = notice
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.notice()
+        return None, None, None
+
+
+class ReturnedLoss:
+    """The loss a training step returns, made safe for `loss.backward()`: the step has already run the
+    backward pass and the optimizer step, so a script written for plain PyTorch (backward on the loss)
+    would fail on a tensor without grad_fn. The loss gets a tiny autograd node (over a leaf of its own,
+    which takes no gradient) whose backward warns once per engine and does nothing: no weight or
+    gradient changes. Its value, `.item()`, `.detach()` and `accelerator.backward(loss)` are as before."""
+
+    MESSAGE = ("loss.backward() does nothing here: model(**batch) has already run the backward pass and the "
+               "optimizer step. Call accelerator.backward(loss) (a no-op under Megatron), as accelerate scripts do, "
+               "or nothing; optimizer.step() and zero_grad() are no-ops too")
+
+    def __init__(self, device):
+        self._anchor = torch.zeros((), device=device, requires_grad=True)
+        self.warned = False
+
+    def __call__(self, loss):
+        if not torch.is_tensor(loss) or loss.requires_grad or not torch.is_grad_enabled():
+            return loss
+        return _StepAlreadyRan.apply(loss, self._anchor, self._warn_once)
+
+    def _warn_once(self):
+        if not self.warned:
+            self.warned = True
+            warnings.warn(self.MESSAGE, stacklevel=2)
 
 
 class MegatronEngine(torch.nn.Module):
@@ -50,6 +92,7 @@ class MegatronEngine(torch.nn.Module):
         self.post_training = PostTrainingState(chunks, optimizer, device)
         self.log_probs = LogProbs()
         self._pending_check = None  # this step's DeferredCheck, until the first forward has been queued
+        self.returned_loss = ReturnedLoss(device)
 
     # -- the step -------------------------------------------------------------------------------
     def forward(self, **batch):
@@ -102,8 +145,9 @@ class MegatronEngine(torch.nn.Module):
         (the CUDA engine without pipelining); here it is read before the step starts."""
         return False
 
-    @staticmethod
-    def _output(cls, loss, logits, logs):
+    def _output(self, cls, loss, logits, logs):
+        if self.training:  # the step's backward has run: the script's loss.backward() only warns
+            loss = self.returned_loss(loss)
         if cls is None:
             return loss
         extra = {"metrics": dict(logs)} if "metrics" in getattr(cls, "__dataclass_fields__", {}) else {}

@@ -4,6 +4,14 @@
 longer than the model's positions, the loss tokens, the train step's own verdict), sums them over all
 ranks in one small all-reduce (so no rank is left waiting in a collective) and reads them back once.
 
+The same all-reduce tells whether the ranks of each model replica (its tensor-, context- and
+pipeline-parallel ranks) were given the same batch, as they must be: each rank writes a checksum of its
+batch's integer tensors (`batch_checksum`: ids, labels, masks, positions) into its own slot of a vector of
+one slot per rank of a replica, zeros elsewhere. Summed over the world, every slot holds the sum over the
+data-parallel replicas (which legitimately differ) of that position's checksum: all slots are equal when
+each replica's ranks agree, and differ (but for a 2^-31 chance) when some do not. Megatron-LM and
+accelerate broadcast the batch from TP rank 0 instead; this costs no extra collective.
+
 The flags can be read without stalling the GPU. Reading a device value back (`tolist()`) waits for everything queued before it: at the start of a step
 that is the whole previous optimizer step, after which the GPU idles while the host launches the new
 forward (2-3 ms a step on an H100 at GPT-2 350M and 774M, measured with `.devrun`-style probes). So the
@@ -14,16 +22,60 @@ the copy, while the GPU computes. A bad batch still raises before any backward o
 
 from __future__ import annotations
 
+import functools
 import warnings
+import zlib
 from dataclasses import dataclass
 from itertools import islice
-from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 
 from ..errors import MegatronPluginConfigError
 from ..layers.masks import KNOWN, rows_not_packed, rows_without_padding
+
+
+CHECKSUM_PRIME = 2**31 - 1  # a rank's checksum is below it, so int64 sums over any world stay exact
+
+
+@functools.lru_cache(maxsize=4)
+def _checksum_weights(n: int, device: torch.device) -> torch.Tensor:
+    """n pseudo-random weights in [1, P) from the position alone: multiplications modulo P and xor-shifts
+    (no product reaches 2^63), so that reordered or shifted values change the sum."""
+    w = torch.arange(1, n + 1, dtype=torch.int64, device=device) % CHECKSUM_PRIME
+    for mul, shift in ((48271, 13), (69621, 17), (16807, 11)):
+        w = w * mul % CHECKSUM_PRIME
+        w = w ^ (w >> shift)
+    return w % (CHECKSUM_PRIME - 1) + 1
+
+
+def batch_checksum(batch: Dict[str, object]) -> torch.Tensor:
+    """A 0-d int64 tensor in [0, 2^31 - 1): a checksum of the batch's integer (and bool) tensors, their
+    values, positions, keys and shapes, in exact int64 arithmetic modulo a prime. Computed on the tensors'
+    device without reading it back."""
+    keys = [k for k in sorted(batch) if torch.is_tensor(batch[k])
+            and not (batch[k].is_floating_point() or batch[k].is_complex())]
+    if not keys:
+        return torch.zeros((), dtype=torch.int64)
+    device = batch[keys[0]].device
+    flat = torch.cat([batch[k].reshape(-1).to(device, torch.int64) for k in keys]) % CHECKSUM_PRIME
+    layout = zlib.crc32(repr([(k, tuple(batch[k].shape)) for k in keys]).encode()) % CHECKSUM_PRIME
+    return ((flat * _checksum_weights(flat.numel(), device)) % CHECKSUM_PRIME).sum().add_(layout) % CHECKSUM_PRIME
+
+
+def replica_layout() -> Tuple[int, int, int]:
+    """(tensor, context, pipeline)-parallel sizes: the ranks of one model replica, which need one batch."""
+    return (parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_context_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size())
+
+
+def replica_position(slot: int, layout: Tuple[int, int, int]) -> str:
+    """A rank's place in its model replica, e.g. 'tp rank 1' or 'tp rank 0, pp stage 1'."""
+    tp, cp, pp = layout
+    parts = [("tp rank", slot % tp, tp), ("cp rank", slot // tp % cp, cp), ("pp stage", slot // (tp * cp), pp)]
+    return ", ".join(f"{name} {i}" for name, i, size in parts if size > 1)
 
 
 class NoLossInStep(Exception):
@@ -66,7 +118,7 @@ class Flags(NamedTuple):
     bad_labels: int  # some labels lie outside it, other than -100
     too_long: int  # a sequence is longer than the model's positions
     loss_tokens: int  # tokens that carry a loss (1 when no loss is asked for)
-    step_rejected: int  # the train step's own check_batch raised
+    step_rejected: int  # the train step's check_shapes or check_batch refused the batch
 
 
 @dataclass
@@ -83,6 +135,7 @@ class Findings:
     length: int
     iteration: int
     error: Optional[Exception] = None
+    layout: Tuple[int, int, int] = (1, 1, 1)  # the model replica's (tp, cp, pp): one checksum slot per rank
     fact_keys: Sequence[str] = ()
     micro_batches: Sequence[Dict[str, torch.Tensor]] = ()
 
@@ -90,17 +143,39 @@ class Findings:
     def too_long(self) -> bool:
         return self.limit is not None and self.length > self.limit
 
+    @property
+    def slots(self) -> int:
+        """Checksum slots: one per rank of a model replica, none when a replica is one rank."""
+        tp, cp, pp = self.layout
+        return 0 if tp * cp * pp == 1 else tp * cp * pp
+
     def judge(self, values: list) -> bool:
-        """Read the flags (all ranks', then this rank's, then the per-micro-batch facts, in the order
-        `BatchCheck.check` laid them out): raise for a bad batch, False when no token carries a loss."""
+        """Read the flags (all ranks' with the replica's checksums, then this rank's, then the
+        per-micro-batch facts, in the order `BatchCheck.check` laid them out): raise for a bad batch,
+        False when no token carries a loss."""
         read = iter(values)
         everyone = Flags(*islice(read, len(Flags._fields)))
+        self.check_one_batch_per_replica(list(islice(read, self.slots)))
         mine = Flags(*islice(read, len(Flags._fields)))
         ok = self.verdict(everyone, mine)
         for k in self.fact_keys:
             for mb in self.micro_batches:
                 setattr(mb[k], KNOWN, bool(next(read)))
         return ok
+
+    def check_one_batch_per_replica(self, sums: List[int]) -> None:
+        """Raise when the summed checksums differ between the slots: some replica's ranks had different batches."""
+        differ = [i for i, s in enumerate(sums) if s != sums[0]]
+        if not differ:
+            return
+        kinds = "/".join(k for k, size in zip(("tensor", "context", "pipeline"), self.layout) if size > 1)
+        raise MegatronPluginConfigError(
+            "batch", f"{kinds}-parallel ranks were given different batches ({replica_position(differ[0], self.layout)}"
+            f" got another batch than {replica_position(0, self.layout)}): they would train on a mixture of both",
+            "pass the same batch on every rank of a model replica: iterate the DataLoader accelerator.prepare "
+            "returns (it gives each data-parallel rank its part, and the same to the ranks of its replica), and "
+            "seed any per-rank generation of batches alike (not by rank)",
+        )
 
     def verdict(self, everyone: Flags, mine: Flags) -> bool:
         """What the flags mean: raise for a bad batch, False for no loss."""
@@ -152,8 +227,9 @@ class Findings:
 
 
 class BatchCheck:
-    """Refuses token ids or labels the model cannot have, a sequence longer than its positions, or (for a
-    loss) a batch the train step rejects, on every rank alike, with one all-reduce and one read."""
+    """Refuses token ids or labels the model cannot have, a sequence longer than its positions, different
+    batches on the ranks of one model replica, or a batch the train step rejects, on every rank alike,
+    with one all-reduce and one read."""
 
     def __init__(self, model, device: torch.device):
         self.model = model
@@ -172,7 +248,7 @@ class BatchCheck:
         them before it is queued, so a batch with such keys is read here, even with `defer`."""
         found = self._look(batch, step, iteration)
         local = self._flags(found, step, need_loss)
-        status = local.clone()
+        status = torch.cat([local, self._replica_checksums(found)])
         if dist.get_world_size() > 1:
             dist.all_reduce(status)
         found.micro_batches = micro_batches
@@ -194,7 +270,18 @@ class BatchCheck:
         out_of_range.update({k: ((batch[k] < 0) & (batch[k] != -100)) | (batch[k] >= vocab) for k in label_keys})
         length = max(batch[k].shape[1] for k in id_keys if batch[k].dim() == 2)
         return Findings(batch, id_keys, label_keys, out_of_range, vocab, self.model.family.position_limit(cfg),
-                        length, iteration)
+                        length, iteration, layout=replica_layout())
+
+    def _replica_checksums(self, found: Findings) -> torch.Tensor:
+        """This rank's batch checksum in its slot of the model replica, zeros in the others (summed over
+        the world by the check's all-reduce)."""
+        sums = torch.zeros(found.slots, dtype=torch.int64, device=self.device)
+        if found.slots:
+            tp, cp, _ = found.layout
+            slot = parallel_state.get_tensor_model_parallel_rank() + tp * (
+                parallel_state.get_context_parallel_rank() + cp * parallel_state.get_pipeline_model_parallel_rank())
+            sums[slot] = batch_checksum(found.batch).to(self.device)
+        return sums
 
     def _flags(self, found: Findings, step, need_loss: bool) -> torch.Tensor:
         """This rank's `Flags`, as one device tensor; a train step that rejects the batch is noted in
@@ -210,8 +297,8 @@ class BatchCheck:
         bad_ids, bad_labels, too_long = any_of(found.id_keys), any_of(found.label_keys), const(found.too_long)
         tokens = step.count_loss_tokens(found.batch) if need_loss else None
         loss_tokens = const(1) if tokens is None else tokens.to(self.device, torch.int64).reshape(())
-        try:
-            found.error = step.check_batch(found.batch) if need_loss else None
+        try:  # the shapes the step pairs, then (for a loss) the step's own check
+            found.error = step.check_shapes(found.batch) or (step.check_batch(found.batch) if need_loss else None)
         except Exception as e:  # raised by the verdict, once every rank knows
             found.error = e
         flags = Flags(bad_ids, bad_labels, too_long, loss_tokens, const(found.error is not None))
