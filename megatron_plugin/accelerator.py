@@ -187,19 +187,19 @@ class Accelerator(accelerate.Accelerator):
             return super().save_state(output_dir, safe_serialization=safe_serialization, **kwargs)
         if output_dir is None:
             raise MegatronPluginConfigError("save_state(output_dir)", None, "pass the folder to save into")
-        self._engine.check_ready("save_state")
+        engine = self._prepared("save_state", ready=True)
         return checkpoint.save_state(
-            output_dir, self._engine, self._custom_objects, distributed_optimizer=self._megatron.use_distributed_optimizer
+            output_dir, engine, self._custom_objects, distributed_optimizer=self._megatron.use_distributed_optimizer
         )
 
     def load_state(self, input_dir: str | None = None, **kwargs):
         if self._megatron is None:
             return super().load_state(input_dir, **kwargs)
-        self._engine.check_ready("load_state")
-        meta = checkpoint.load_state(input_dir, self._engine, self._custom_objects)
+        engine = self._prepared("load_state", ready=True)
+        meta = checkpoint.load_state(input_dir, engine, self._custom_objects)
         if getattr(self, "_megatron_iterators", None):
             # Megatron-LM resumes its samples from iteration x global batch: the train iterator goes on there
-            self._megatron_iterators[0].seek(self._engine.iteration)
+            self._megatron_iterators[0].seek(engine.iteration)
         return meta
 
     def get_state_dict(self, model, unwrap=True):
@@ -208,8 +208,8 @@ class Accelerator(accelerate.Accelerator):
             return super().get_state_dict(model, unwrap)
         from .engine.export import full_state_dict
 
-        self._engine.check_ready("get_state_dict")
-        return full_state_dict(self._engine)
+        engine = self._prepared("get_state_dict", ready=True)
+        return full_state_dict(engine)
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
         """Write an HF checkpoint (config, sharded safetensors, index) straight from the TP/PP model:
@@ -219,45 +219,46 @@ class Accelerator(accelerate.Accelerator):
                                       safe_serialization=safe_serialization)
         from .engine.export import save_model
 
-        self._engine.check_ready("save_model")
-        return save_model(self._engine, save_directory, max_shard_size, safe_serialization)
+        engine = self._prepared("save_model", ready=True)
+        return save_model(engine, save_directory, max_shard_size, safe_serialization)
 
     # -- post-training ----------------------------------------------------------------------------
     def offload(self, model=None, params: bool = True, grads: bool = True, optimizer: bool = True):
         """Free the GPU memory of the prepared model: parameters, gradients and optimizer state go to pinned
         host memory (e.g. while a rollout engine generates). `reload()` brings them back bit for bit;
         until then the model refuses to run. Returns bytes moved per kind."""
-        if self._megatron is None:
-            raise MegatronPluginConfigError("offload", "without a MegatronLMPlugin",
-                                            "offload/reload are for Megatron runs: pass megatron_lm_plugin")
-        if self._engine is None:
-            raise MegatronPluginConfigError("offload", "before prepare", "call accelerator.prepare(...) first")
-        self._check_prepared_model("offload(model)", model)
-        return self._engine.offload(params=params, grads=grads, optimizer=optimizer)
+        return self._prepared("offload", model).offload(params=params, grads=grads, optimizer=optimizer)
 
     def reload(self, model=None):
         """Bring back to the GPU what `offload()` moved to host memory."""
-        if self._megatron is None or self._engine is None:
-            raise MegatronPluginConfigError("reload", "nothing prepared", "call accelerator.prepare(...) and offload() first")
-        self._check_prepared_model("reload(model)", model)
-        return self._engine.reload()
+        return self._prepared("reload", model).reload()
 
     def snapshot_weights(self, model=None):
         """A host copy of the prepared model's weights as they are now (each rank its own shards), e.g. the
         reference policy for a KL term, taken before training."""
-        self._check_prepared_model("snapshot_weights(model)", model, needs_engine=True)
-        return self._engine.snapshot_weights()
+        return self._prepared("snapshot_weights", model).snapshot_weights()
 
     def use_weights(self, snapshot, model=None):
         """`with accelerator.use_weights(snapshot):` the model computes with the snapshot's weights (log-probs,
         generation, evaluation), then has its own back, bit for bit."""
-        self._check_prepared_model("use_weights(model)", model, needs_engine=True)
-        return self._engine.use_weights(snapshot)
+        return self._prepared("use_weights", model).use_weights(snapshot)
 
-    def _check_prepared_model(self, what, model, needs_engine=False):
-        if needs_engine and (self._megatron is None or self._engine is None):
-            raise MegatronPluginConfigError(what.split("(")[0], "nothing prepared",
-                                            "call accelerator.prepare(...) with a MegatronLMPlugin first")
+    def _prepared(self, what: str, model=None, ready: bool = False):
+        """The engine `what` works on; a clear error without a MegatronLMPlugin, before `prepare` (rather than
+        an AttributeError on None), for a `model` other than the prepared one, or (`ready`) while the model is
+        offloaded or holds a snapshot's weights. Raised before any collective."""
+        if self._megatron is None:
+            raise MegatronPluginConfigError(what, "without a MegatronLMPlugin",
+                                            f"{what} is for Megatron runs: pass Accelerator(megatron_lm_plugin=...)")
+        if self._engine is None:
+            raise MegatronPluginConfigError(
+                what, "before prepare",
+                f"call accelerator.prepare(model, optimizer, dataloaders, scheduler) first: {what} works on the "
+                "model it returns (load_state after prepare resumes a run)",
+            )
         if model is not None and model is not self._engine:
-            raise MegatronPluginConfigError(what, type(model).__name__,
+            raise MegatronPluginConfigError(f"{what}(model)", type(model).__name__,
                                             "pass the model accelerator.prepare returned (or nothing: there is one)")
+        if ready:
+            self._engine.check_ready(what)
+        return self._engine

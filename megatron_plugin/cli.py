@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .errors import MegatronPluginConfigError
-from .plugin import MegatronLMPlugin, check_compile, check_cpu_support, parse_bool, parse_float, parse_int
+from .plugin import ENV_FIELDS, MegatronLMPlugin, check_compile, check_cpu_support, parse_bool, parse_float, parse_int
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -99,24 +99,57 @@ def ask(question: Question, input_fn=input, print_fn=print):
             print_fn(f"  {err.fix}")
 
 
+def checked_plugin(settings: dict, world_size: int, cpu: bool, compile_backend, mixed_precision, names: dict):
+    """The plugin these settings make, validated as the launched script will validate it (with the world
+    size, on CPU or CUDA, compiled or not). An error names the setting as the user wrote it: `names` maps
+    the plugin's names to the questionnaire's flags or the YAML's keys."""
+    try:
+        plugin = MegatronLMPlugin(**settings)
+        plugin.validate(world_size=world_size)
+        if cpu:
+            check_cpu_support(plugin)
+        if compile_backend:
+            check_compile(plugin, {"backend": compile_backend}, "cpu" if cpu else "cuda")
+        if cpu and mixed_precision == "fp16":
+            raise MegatronPluginConfigError("mixed_precision", "fp16", "fp16 needs CUDA; use 'no' or 'bf16' for CPU")
+    except MegatronPluginConfigError as err:
+        raise MegatronPluginConfigError(names.get(err.setting, err.setting), err.value, err.fix) from None
+    return plugin
+
+
 def plugin_from_answers(a: dict):
     """The plugin these answers describe, validated as the launched script will validate it."""
-    try:
-        plugin = MegatronLMPlugin(
-            tp_degree=a["tp"], pp_degree=a["pp"], num_micro_batches=a["num_micro_batches"],
-            gradient_clipping=a["gradient_clipping"], sequence_parallelism=a["sp"] and a["tp"] > 1,
-            recompute_activations=a["recompute"], use_distributed_optimizer=a["distributed_optimizer"],
-        )
-        plugin.validate(world_size=a["num_processes"])
-        if a["cpu"]:
-            check_cpu_support(plugin)
-        if a.get("compile"):
-            check_compile(plugin, {"backend": "inductor"}, "cpu" if a["cpu"] else "cuda")
-    except MegatronPluginConfigError as err:
-        raise _as_flags(err) from None
-    if a["cpu"] and a["mixed_precision"] == "fp16":
-        raise MegatronPluginConfigError("--mixed_precision", "fp16", "fp16 needs CUDA; answer 'no' or 'bf16' for CPU")
-    return plugin
+    settings = dict(tp_degree=a["tp"], pp_degree=a["pp"], num_micro_batches=a["num_micro_batches"],
+                    gradient_clipping=a["gradient_clipping"], sequence_parallelism=a["sp"] and a["tp"] > 1,
+                    recompute_activations=a["recompute"], use_distributed_optimizer=a["distributed_optimizer"])
+    return checked_plugin(settings, a["num_processes"], a["cpu"], "inductor" if a.get("compile") else None,
+                          a["mixed_precision"], FLAGS)
+
+
+_PARSE = {bool: parse_bool, int: parse_int, float: parse_float}
+
+
+def plugin_from_yaml(data: dict, path: str):
+    """The plugin the processes `accelerate launch` starts with this config will build (it hands them each
+    megatron_lm_<name> as the variable MEGATRON_LM_<NAME>, as text), validated as they will validate it."""
+    import torch
+
+    megatron = data.get("megatron_lm_config") or {}
+    key = {name: f"megatron_lm_{env.lower()}" for name, (env, _, _) in ENV_FIELDS.items()}
+    names = {name: f"megatron_lm_config.{k} in {path}" for name, k in key.items()}
+    settings = {name: _PARSE[kind](names[name], str(megatron[key[name]]))
+                for name, (_, kind, _) in ENV_FIELDS.items() if megatron.get(key[name]) is not None}
+    if megatron.get("megatron_lm_recompute_granularity") is not None:
+        settings["recompute_granularity"] = str(megatron["megatron_lm_recompute_granularity"]).strip().lower()
+    names |= {"recompute_granularity": f"megatron_lm_config.megatron_lm_recompute_granularity in {path}",
+              "tp_degree*pp_degree": f"megatron_lm_tp_degree*megatron_lm_pp_degree in {path}",
+              "num_processes": f"num_processes in {path}", "mixed_precision": f"mixed_precision in {path}",
+              "dynamo_backend": f"dynamo_config.dynamo_backend in {path}"}
+    backend = str((data.get("dynamo_config") or {}).get("dynamo_backend") or data.get("dynamo_backend") or "no")
+    # the launched script runs on CPU when told to, or when there is no GPU
+    cpu = bool(data.get("use_cpu")) or not torch.cuda.is_available()
+    return checked_plugin(settings, data["num_processes"], cpu, None if backend.lower() == "no" else backend.lower(),
+                          data.get("mixed_precision"), names)
 
 
 def to_yaml_dict(a: dict) -> dict:
@@ -192,11 +225,15 @@ def run_config(args, input_fn=input, print_fn=print) -> str:
 
 
 def run_launch(args) -> int:
-    """Check the config YAML (valid YAML, every megatron_lm_* key known to accelerate, a sane process
-    count), then hand everything to `accelerate launch`."""
+    """Check the config YAML (valid YAML, every key and megatron_lm_* key known to accelerate, the values
+    accelerate would choke on, and the Megatron settings as the launched script will check them against the
+    process count and the device), then hand everything to `accelerate launch`."""
     from .launch_config import check_config, load_config
 
-    check_config(load_config(args.config_file), args.config_file)
+    data = load_config(args.config_file)
+    check_config(data, args.config_file, launching=True)
+    if data["distributed_type"] == "MEGATRON_LM":
+        plugin_from_yaml(data, args.config_file)
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file, *args.script_args]
     os.execv(sys.executable, cmd)
     return 0  # not reached

@@ -46,30 +46,90 @@ def _launcher_config_file(pid: int) -> Optional[str]:
     return default_config_file if os.path.isfile(default_config_file) else None
 
 
+def _unreadable(path: str, what: str, line: Optional[int], column: Optional[int], problem: str):
+    where = f" at line {line}, column {column}" if line is not None else ""
+    return MegatronPluginConfigError(
+        "--config_file", path, f"is not valid {what}{where} ({problem}): fix it, or write a new one with "
+        "`megatron-plugin config`",
+    )
+
+
 def load_config(path: str) -> dict:
     """The YAML (or JSON) config as a dict, or a clear error naming the file and the line."""
+    import json
+
     import yaml
 
+    what = "JSON" if path.endswith(".json") else "YAML"
     try:
-        with open(path) as f:
-            data = yaml.safe_load(f) if not path.endswith(".json") else __import__("json").load(f)
+        with open(path, encoding="utf-8") as f:  # as accelerate reads it
+            data = json.load(f) if what == "JSON" else yaml.safe_load(f)
     except OSError as err:
         raise MegatronPluginConfigError("--config_file", path, f"cannot read it ({err.strerror})") from None
+    except UnicodeDecodeError as err:
+        raise _unreadable(path, what, None, None, f"not UTF-8 text: byte {err.start}") from None
+    except json.JSONDecodeError as err:
+        raise _unreadable(path, what, err.lineno, err.colno, err.msg) from None
     except yaml.YAMLError as err:
-        where = getattr(err, "problem_mark", None)
-        line = f" at line {where.line + 1}, column {where.column + 1}" if where else ""
+        mark = getattr(err, "problem_mark", None)
         problem = getattr(err, "problem", None) or str(err).splitlines()[0]
-        raise MegatronPluginConfigError(
-            "--config_file", path, f"is not valid YAML{line} ({problem}): fix it, or write a new one with "
-            "`megatron-plugin config`",
-        ) from None
+        raise _unreadable(path, what, mark and mark.line + 1, mark and mark.column + 1, problem) from None
     if not isinstance(data, dict):
-        raise MegatronPluginConfigError("--config_file", path, "must hold a mapping of settings (key: value)")
+        raise MegatronPluginConfigError(
+            "--config_file", path, ("is empty" if data is None else f"holds a {type(data).__name__}, not a mapping "
+                                    "of settings (key: value)") + ": write one with `megatron-plugin config`",
+        )
     return data
 
 
-def check_config(data: dict, path: str) -> None:
-    """Refuse settings `accelerate launch` would ignore or that cannot run."""
+def _one_of(key: str, value, choices, path: str, fix: Optional[str] = None) -> None:
+    """Refuse a value not among `choices`, with the closest one as a hint."""
+    if value in choices:
+        return
+    if isinstance(value, bool):  # YAML reads a bare no/yes/off/on as a boolean
+        fix = f"YAML reads a bare {'yes' if value else 'no'} as {value}: quote the value, e.g. {key}: 'no'"
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    raise MegatronPluginConfigError(f"{key} in {path}", value, hint + (fix or f"use one of {sorted(choices)}"))
+
+
+def _check_top_level(data: dict, path: str, launching: bool) -> None:
+    """What accelerate's config loader would refuse with a raw ValueError, or ignore without a word."""
+    from accelerate.commands.config.config_args import ClusterConfig
+    from accelerate.utils import DistributedType, DynamoBackend, PrecisionType
+
+    # fp16 and dynamo_backend: older spellings accelerate still reads
+    known = set(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}
+    for key in data:
+        _one_of("key", key, known, path, "accelerate refuses keys it does not know: remove it, or fix its spelling")
+    if "compute_environment" in data:
+        _one_of("compute_environment", data["compute_environment"], ["LOCAL_MACHINE"], path,
+                "use LOCAL_MACHINE (or remove the key): Megatron runs are launched on the machines themselves")
+    if "distributed_type" in data:
+        _one_of("distributed_type", data["distributed_type"], [t.value for t in DistributedType], path)
+    elif launching:
+        raise MegatronPluginConfigError(f"distributed_type in {path}", None, "add `distributed_type: MEGATRON_LM`")
+    if data.get("megatron_lm_config") and data.get("distributed_type", "MEGATRON_LM") != "MEGATRON_LM":
+        raise MegatronPluginConfigError(
+            f"distributed_type in {path}", data["distributed_type"],
+            "accelerate launch reads megatron_lm_config only with `distributed_type: MEGATRON_LM`: set it, or "
+            "remove megatron_lm_config",
+        )
+    if data.get("mixed_precision") is not None:
+        _one_of("mixed_precision", data["mixed_precision"], [p.value for p in PrecisionType], path)
+    dynamo = data.get("dynamo_config") or {}
+    if not isinstance(dynamo, dict):
+        raise MegatronPluginConfigError(f"dynamo_config in {path}", dynamo, "must be a mapping, e.g. {dynamo_backend: INDUCTOR}")
+    if dynamo.get("dynamo_backend") is not None:
+        _one_of("dynamo_config.dynamo_backend", str(dynamo["dynamo_backend"]).upper(), [b.value for b in DynamoBackend], path)
+    if launching and "num_processes" not in data:
+        raise MegatronPluginConfigError(f"num_processes in {path}", None,
+                                        "add `num_processes: N` (the processes to start: GPUs, or CPU processes)")
+
+
+def check_config(data: dict, path: str, launching: bool = False) -> None:
+    """Refuse settings `accelerate launch` would ignore or that cannot run. `launching`: checked before
+    `accelerate launch` runs, with the YAML all it gets (distributed_type and num_processes must be there)."""
     megatron = data.get("megatron_lm_config") or {}
     if not isinstance(megatron, dict):
         raise MegatronPluginConfigError(f"megatron_lm_config in {path}", megatron, "must be a mapping of megatron_lm_* keys")
@@ -85,6 +145,7 @@ def check_config(data: dict, path: str) -> None:
     n = data.get("num_processes")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
         raise MegatronPluginConfigError(f"num_processes in {path}", n, "use a whole number >= 1")
+    _check_top_level(data, path, launching)
 
 
 def check_launch() -> Optional[str]:

@@ -265,13 +265,16 @@ _CUDA_ONLY = {
     "pp_degree": (lambda p: p.pp_degree > 1, "pipeline schedules and p2p buffers", "pp_degree=1"),
     "sequence_parallelism": (lambda p: p.sequence_parallelism, "sequence-parallel collectives", "sequence_parallelism=False"),
     "use_distributed_optimizer": (lambda p: p.use_distributed_optimizer, "DistributedOptimizer", "use_distributed_optimizer=False"),
-    "recompute_activations": (lambda p: p.recompute_granularity is not None, "activation checkpointing (CUDA RNG states)", "recompute_activations=False"),
+    "recompute_activations": (lambda p: p.recompute_granularity is not None, "activation checkpointing (CUDA RNG states)",
+                              "recompute_activations=False and recompute_granularity=None"),
 }
 
 
 def check_cpu_support(plugin: MegatronLMPlugin) -> None:
     for setting, (used, piece, fix) in _CUDA_ONLY.items():
         if used(plugin):
+            if setting == "recompute_activations" and not plugin.recompute_activations:
+                setting = "recompute_granularity"  # set on its own (recompute_activations only implies 'selective')
             raise MegatronPluginConfigError(
                 setting, getattr(plugin, setting),
                 f"Megatron-Core's {piece} need CUDA; for a CPU run set {fix} (the GPU engine supports it)",

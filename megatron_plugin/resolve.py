@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import os
+import warnings
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple
 
@@ -84,7 +85,30 @@ class Inputs:
         for s in schedulers:
             check_scheduler(s, plugin)
         check_optimizer(optimizers[0])
-        return cls(models[0], optimizers[0], schedulers[0] if schedulers else None, loaders, indexed)
+        return cls(unwrap_compiled(models[0]), optimizers[0], schedulers[0] if schedulers else None, loaders, indexed)
+
+
+def unwrap_compiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The HF model inside a `torch.compile` wrapper (an OptimizedModule, whose parameters are named
+    `_orig_mod.*`): prepare builds Megatron layers from it, so the compiled HF graph would never run. Its
+    parameters are the HF model's own, so an optimizer built before compiling still holds them. A model with
+    compiled submodules is refused: its parameter names are no HF model's."""
+    inner = getattr(model, "_orig_mod", None)
+    if isinstance(inner, torch.nn.Module):
+        warnings.warn(
+            f"prepare got a torch.compile'd model: it prepares the {type(inner).__name__} inside it "
+            "(model._orig_mod) as Megatron layers, which torch.compile compiles only when asked: "
+            "MegatronLMPlugin(torch_compile=True) or accelerate's dynamo_backend (GPU)", stacklevel=4,
+        )
+        model = inner
+    compiled = next((n for n, _ in model.named_parameters() if "_orig_mod." in n), None)
+    if compiled is not None:
+        raise MegatronPluginConfigError(
+            "model", f"a submodule compiled with torch.compile (parameter {compiled})",
+            "pass the HF model before compiling any part of it: prepare builds Megatron layers from it, compiled "
+            "when MegatronLMPlugin(torch_compile=True) or accelerate's dynamo_backend asks (GPU)",
+        )
+    return model
 
 
 @dataclass(frozen=True)

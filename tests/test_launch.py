@@ -117,6 +117,73 @@ def test_questionnaire_flags_and_gpu_answers(tmp_path):
     assert yaml.safe_load(tp_compile.read_text())["dynamo_config"] == {"dynamo_backend": "INDUCTOR"}
 
 
+# A config `accelerate launch` cannot take gave its raw traceback (a YAML error, a ValueError on an unknown key or
+# value, an AttributeError on a bare `no`), or was ignored without a word; `megatron-plugin launch` refuses it
+# first, naming the file, the setting and the fix. name: (file text, file suffix, what the error must hold)
+CPU = "distributed_type: MEGATRON_LM\nuse_cpu: true\n"
+BAD_CONFIGS = {
+    "not_yaml": (CPU + "num_processes: [2\n", ".yaml", ["--config_file=", "not valid YAML at line 4", "megatron-plugin config"]),
+    "not_json": ('{"distributed_type": "MEGATRON_LM",}', ".json", ["--config_file=", "not valid JSON at line 1"]),
+    "not_utf8": (b"\xff\xfe distributed_type", ".yaml", ["--config_file=", "not UTF-8"]),
+    "a_list": ("- distributed_type: MEGATRON_LM\n", ".yaml", ["--config_file=", "holds a list", "key: value"]),
+    "empty": ("", ".yaml", ["--config_file=", "is empty", "megatron-plugin config"]),
+    "unknown_key": (CPU + "num_process: 2\n", ".yaml", ["key in ", "'num_process'", "did you mean 'num_processes'"]),
+    "distributed_type": ("distributed_type: MEGATRON\nnum_processes: 1\n", ".yaml",
+                         ["distributed_type in ", "'MEGATRON'", "did you mean 'MEGATRON_LM'"]),
+    "no_distributed_type": ("num_processes: 1\n", ".yaml", ["distributed_type in ", "add `distributed_type: MEGATRON_LM`"]),
+    "megatron_keys_ignored": ("distributed_type: MULTI_CPU\nnum_processes: 2\nmegatron_lm_config:\n  megatron_lm_tp_degree: 2\n",
+                              ".yaml", ["distributed_type in ", "'MULTI_CPU'", "only with `distributed_type: MEGATRON_LM`"]),
+    "no_num_processes": (CPU, ".yaml", ["num_processes in ", "add `num_processes: N`"]),
+    "mixed_precision": (CPU + "num_processes: 1\nmixed_precision: bf17\n", ".yaml",
+                        ["mixed_precision in ", "'bf17'", "did you mean 'bf16'"]),
+    "bare_no": (CPU + "num_processes: 1\nmixed_precision: no\n", ".yaml", ["mixed_precision in ", "=False", "quote the value"]),
+    "compute_environment": (CPU + "num_processes: 1\ncompute_environment: LOCAL\n", ".yaml",
+                            ["compute_environment in ", "'LOCAL'", "LOCAL_MACHINE"]),
+    "dynamo_backend": (CPU + "num_processes: 1\ndynamo_config:\n  dynamo_backend: INDUCTR\n", ".yaml",
+                       ["dynamo_config.dynamo_backend in ", "did you mean 'INDUCTOR'"]),
+    # the Megatron settings, checked as the launched script checks them: against the processes and the device
+    "layout": (CPU + "num_processes: 3\nmegatron_lm_config:\n  megatron_lm_tp_degree: 2\n", ".yaml",
+               ["megatron_lm_tp_degree*megatron_lm_pp_degree in ", "world size 3", "multiple of 2"]),
+    "not_a_number": (CPU + "num_processes: 2\nmegatron_lm_config:\n  megatron_lm_tp_degree: two\n", ".yaml",
+                     ["megatron_lm_config.megatron_lm_tp_degree in ", "'two'", "whole number"]),
+    "cuda_only_on_cpu": (CPU + "num_processes: 2\nmegatron_lm_config:\n  megatron_lm_pp_degree: 2\n", ".yaml",
+                         ["megatron_lm_config.megatron_lm_pp_degree in ", "need CUDA", "pp_degree=1"]),
+    "fp16_on_cpu": (CPU + "num_processes: 1\nmixed_precision: fp16\n", ".yaml", ["mixed_precision in ", "fp16 needs CUDA"]),
+}
+
+
+def test_launch_refuses_bad_configs_before_starting_anything(tmp_path, monkeypatch, capsys):
+    from megatron_plugin import cli
+
+    def no_launch(*args):
+        raise AssertionError(f"launched: {args}")
+
+    monkeypatch.setattr(cli.os, "execv", no_launch)
+    for name, (text, suffix, words) in BAD_CONFIGS.items():
+        path = tmp_path / f"{name}{suffix}"
+        path.write_bytes(text if isinstance(text, bytes) else text.encode())
+        assert cli.main(["launch", "--config_file", str(path), "train.py"]) == 2, name
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and str(path) in err, (name, err)
+        for w in words:
+            assert w in err, (name, w, err)
+
+
+def test_launch_starts_a_good_config_and_refuses_a_bad_one_without_traceback(tmp_path):
+    """`megatron-plugin launch` end to end: a good config runs the script; a bad one exits 2 with one line."""
+    script = tmp_path / "train.py"
+    script.write_text("import os\nprint('LAUNCHED', os.environ['ACCELERATE_USE_MEGATRON_LM'], os.environ['MEGATRON_LM_TP_DEGREE'])\n")
+    good, bad = tmp_path / "good.yaml", tmp_path / "bad.yaml"
+    good.write_text(CPU + "num_processes: 1\nmixed_precision: 'no'\nmegatron_lm_config:\n  megatron_lm_tp_degree: 1\n")
+    bad.write_text(CPU + "num_processes: 1\nmixed_precision: no\n")
+    cmd = [sys.executable, "-m", "megatron_plugin.cli", "launch", "--config_file"]
+    proc = subprocess.run([*cmd, str(good), str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 0 and "LAUNCHED true 1" in proc.stdout, proc.stdout + proc.stderr
+    proc = subprocess.run([*cmd, str(bad), str(script)], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr and "LAUNCHED" not in proc.stdout, proc.stderr
+    assert f"mixed_precision in {bad}=False: YAML reads a bare no as False: quote the value" in proc.stderr, proc.stderr
+
+
 def test_llama_sft_example_learns(tmp_path):
     """The SFT example (loss on responses only) under DP=2: response loss falls and greedy answers improve."""
     out = accelerate_launch(os.path.join(CONFIGS, "cpu_dp2.yaml"), os.path.join(ROOT, "examples", "megatron_lm_llama_sft.py"),

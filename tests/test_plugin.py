@@ -152,3 +152,13 @@ def test_unsupported_features_are_refused(clean_env):
 
     with pytest.raises(MegatronPluginConfigError, match="backend='te'"):
         block_spec(None, 2, backend="te")
+
+
+def test_cpu_refusal_of_recompute_names_the_setting_that_was_set():
+    from megatron_plugin.plugin import check_cpu_support
+
+    for kwargs, setting in ((dict(recompute_granularity="full"), "recompute_granularity"),
+                            (dict(recompute_activations=True), "recompute_activations")):
+        with pytest.raises(MegatronPluginConfigError) as err:
+            check_cpu_support(MegatronLMPlugin(**kwargs))
+        assert err.value.setting == setting and "recompute_granularity=None" in err.value.fix
