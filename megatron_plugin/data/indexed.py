@@ -9,6 +9,7 @@ its loss mask is 0) and, with reset_position_ids, `position_ids` (restarts = pac
 
 from __future__ import annotations
 
+import numbers
 import os
 from typing import Optional
 
@@ -48,12 +49,24 @@ ALIASES = {"splits_string": "split"}  # the guide's name for Megatron's --split
 SPLITS = ("train", "valid", "test")
 
 
-def _prefixes(blend) -> list:
-    """The dataset prefixes of a data_path value (a prefix, a list of prefixes, or a weighted blend list)."""
-    items = blend.split() if isinstance(blend, str) else list(blend)
+def _items(blend) -> list:
+    """A data_path value as Megatron's blend list of strings: a string is split at whitespace (Megatron's
+    --data-path), unless it is itself the prefix of a .bin/.idx pair (a path with a space in it)."""
+    if isinstance(blend, str):
+        return [blend] if os.path.isfile(blend + ".idx") else blend.split()
+    return [os.fspath(p) if isinstance(p, os.PathLike) else str(p) for p in blend]
+
+
+def _weighted(blend) -> tuple:
+    """(prefixes, weights or None) of a data_path value (a prefix, a list of prefixes, or a weighted blend list)."""
+    items = _items(blend)
     if len(items) % 2 == 0 and items and all(_is_number(w) for w in items[::2]):
-        return [str(p) for p in items[1::2]]
-    return [str(p) for p in items]
+        return items[1::2], [float(w) for w in items[::2]]
+    return items, None
+
+
+def _prefixes(blend) -> list:
+    return _weighted(blend)[0]
 
 
 def _split_weights(split) -> list:
@@ -69,9 +82,9 @@ def _is_number(x) -> bool:
         return False
 
 
-def _readable(prefix: str, error: MegatronPluginConfigError) -> None:
+def _readable(prefix: str, error: MegatronPluginConfigError) -> int:
     """Open the pair now, so a damaged file is refused before distributed work (in prepare it would fail
-    on rank 0 only, while the others wait for it)."""
+    on rank 0 only, while the others wait for it). Returns its number of documents."""
     from megatron.core.datasets.indexed_dataset import _INDEX_HEADER, IndexedDataset
 
     try:
@@ -84,12 +97,25 @@ def _readable(prefix: str, error: MegatronPluginConfigError) -> None:
     except Exception as err:
         raise MegatronPluginConfigError(error.setting, error.value, f"{error.fix} ({type(err).__name__}: {err}): "
                                         "write it again with `megatron-plugin preprocess-data`") from None
+    return len(data)
+
+
+def _split_ranges(split, documents: int) -> list:
+    """[begin, end) documents of the train, valid and test splits of a dataset of `documents` documents
+    (None for a split of weight 0), as megatron-core's builder cuts them."""
+    from megatron.core.datasets.blended_megatron_dataset_config import (
+        convert_split_vector_to_split_matrix,
+        parse_and_normalize_split,
+    )
+
+    matrix = convert_split_vector_to_split_matrix(parse_and_normalize_split(str(split)))
+    return [None if m is None else (int(round(m[0] * documents)), int(round(m[1] * documents))) for m in matrix]
 
 
 def _blend(value):
     from megatron.core.datasets.utils import get_blend_from_list
 
-    return None if value is None else get_blend_from_list(value.split() if isinstance(value, str) else [str(v) for v in value])
+    return None if value is None else get_blend_from_list(_items(value))
 
 
 class MegatronLMDummyDataLoader:
@@ -124,7 +150,10 @@ class MegatronLMDummyDataLoader:
                     )
                 args[name] = dataset_args[alias]
         args.update({k: v for k, v in dataset_args.items() if k in ARGS})
+        # pathlib paths are taken as the strings they name
+        args.update({k: os.fspath(v) for k, v in args.items() if k.endswith("_path") and isinstance(v, os.PathLike)})
         self.given = set(dataset_args)
+        self.documents = {}  # prefix: its number of documents
         self.dataset_args = args
         self._check()
 
@@ -143,8 +172,9 @@ class MegatronLMDummyDataLoader:
         for name, low in (("seq_length", 1), ("micro_batch_size", 1), ("seed", 0), ("num_workers", 0),
                           ("train_iters", 1), ("eval_iters", 0), ("eval_interval", 1), ("eod_token_id", 0)):
             v = a[name]
-            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < low):
+            if v is not None and (not isinstance(v, numbers.Integral) or isinstance(v, bool) or v < low):
                 raise self._bad(name, f"use a whole number >= {low}")
+            a[name] = None if v is None else int(v)  # numpy integers as well
         for name in ("mmap_bin_files", "reset_position_ids", "reset_attention_mask", "eod_mask_loss"):
             if not isinstance(a[name], bool):
                 raise self._bad(name, "use True or False")
@@ -168,14 +198,22 @@ class MegatronLMDummyDataLoader:
             value = a[name]
             if not isinstance(value, (str, list, tuple)) or not value:
                 raise self._bad(name, "pass a prefix string or a list (of prefixes, or of weights and prefixes)")
-            for prefix in _prefixes(value):
+            prefixes, weights = _weighted(value)
+            if weights is not None and min(weights) <= 0:  # megatron-core's BlendedDataset asserts it
+                raise self._bad(name, "a blend's weights must be > 0 (leave out a prefix to drop it): e.g. "
+                                      "['0.7', 'prefix_a', '0.3', 'prefix_b']")
+            if weights is None and any(_is_number(p) and not os.path.isfile(p + ".idx") for p in prefixes):
+                raise self._bad(name, "a blend list alternates weight and prefix, a weight before every prefix: "
+                                      "e.g. ['0.7', 'prefix_a', '0.3', 'prefix_b']")
+            for prefix in prefixes:
                 missing = [ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
                 if missing:
                     raise self._bad(
                         name, f"{prefix}{missing[0]} does not exist: data_path takes the prefix of a .bin/.idx pair "
                               "(the path without the extension), e.g. the one `megatron-plugin preprocess-data` prints",
                     )
-                _readable(prefix, self._bad(name, f"{prefix}.idx/.bin is not a readable Megatron indexed dataset"))
+                self.documents[prefix] = _readable(
+                    prefix, self._bad(name, f"{prefix}.idx/.bin is not a readable Megatron indexed dataset"))
         if not per_split:
             weights = _split_weights(a["split"])
             if (len(weights) > 3 or not all(_is_number(w) and float(w) >= 0 for w in weights)
@@ -224,12 +262,15 @@ class MegatronLMDummyDataLoader:
             )
         eval_iters = a["eval_iters"] if a["eval_iters"] is not None else plugin.eval_iters
         eval_interval = a["eval_interval"] or plugin.eval_interval
-        for i in range(1, wanted):
-            if self._split_is_empty(i):
+        for i in range(wanted):  # megatron-core would loop forever over a split without documents
+            why = self._why_empty(i)
+            if why is not None:
+                fix = ("give it data: a train weight in split (e.g. '949,50,1'), or train_data_path" if i == 0 else
+                       "give it a weight (e.g. '949,50,1') or data, or pass the loader fewer times")
                 raise self._bad(
                     "split" if a["data_path"] is not None else f"{SPLITS[i]}_data_path",
                     f"prepare was asked for a {SPLITS[i]} iterator (this loader passed {wanted} times), but that split "
-                    "has no data: give it a weight (e.g. '949,50,1'), or pass the loader fewer times",
+                    f"has no data ({why}): {fix}",
                 )
         if wanted > 1 and eval_iters == 0:
             raise self._bad("eval_iters", "an evaluation iterator was asked for, with 0 batches per evaluation: "
@@ -237,12 +278,19 @@ class MegatronLMDummyDataLoader:
         return {"train_iters": int(train_iters), "eval_iters": int(eval_iters), "eval_interval": int(eval_interval),
                 "eod": -1 if eod is None else int(eod), "vocab_size": int(hf_config.vocab_size)}
 
-    def _split_is_empty(self, i: int) -> bool:
+    def _why_empty(self, i: int) -> Optional[str]:
+        """Why split `i` has no documents (in some prefix of the blend); None when it has some."""
         a = self.dataset_args
         if a["data_path"] is None:
-            return a[f"{SPLITS[i]}_data_path"] is None
-        weights = [float(w) for w in _split_weights(a["split"])] + [0.0, 0.0]
-        return weights[i] == 0
+            return None if a[f"{SPLITS[i]}_data_path"] is not None else f"{SPLITS[i]}_data_path is not set"
+        for prefix in _prefixes(a["data_path"]):
+            documents = self.documents[prefix]
+            cut = _split_ranges(a["split"], documents)[i]
+            if cut is None:
+                return f"its weight in split={a['split']!r} is 0"
+            if cut[0] == cut[1]:
+                return f"split={a['split']!r} gives it none of the {documents} documents of {prefix}"
+        return None
 
     def build(self, resolved: dict, plugin, layout, device, wanted: int) -> list:
         """Collective (megatron-core builds the cached indices on rank 0 first). The train, validation and
@@ -255,17 +303,20 @@ class MegatronLMDummyDataLoader:
         config = GPTDatasetConfig(
             random_seed=a["seed"], sequence_length=a["seq_length"],
             blend=None if per_split else _blend(a["data_path"]),
-            blend_per_split=[_blend(a[f"{s}_data_path"]) for s in SPLITS] if per_split else None,
+            blend_per_split=[_blend(a[f"{s}_data_path"]) if i < wanted else None for i, s in enumerate(SPLITS)]
+            if per_split else None,
             split=None if per_split else str(a["split"]),
             path_to_cache=a["data_cache_path"], mmap_bin_files=a["mmap_bin_files"],
             tokenizer=_DocumentEnds(resolved["eod"], resolved["vocab_size"]),
             reset_position_ids=a["reset_position_ids"], reset_attention_mask=a["reset_attention_mask"],
             eod_mask_loss=a["eod_mask_loss"], create_attention_mask=False,
         )
+        if not per_split:  # the splits not asked for are not built (their documents stay where split puts them)
+            config.split_matrix = [m if i < wanted else None for i, m in enumerate(config.split_matrix)]
         g = plugin.global_batch_size
         evals = resolved["train_iters"] // resolved["eval_interval"] + 1
         sizes = [resolved["train_iters"] * g, evals * resolved["eval_iters"] * g, resolved["eval_iters"] * g]
-        sizes = [n if i < wanted and not self._split_is_empty(i) else 0 for i, n in enumerate(sizes)]
+        sizes = [n if i < wanted else 0 for i, n in enumerate(sizes)]
         datasets = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
         return [
             MegatronBatches(datasets[i], a["micro_batch_size"], plugin.num_micro_batches, layout.dp_size, layout.dp_rank,

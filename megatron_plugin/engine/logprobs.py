@@ -12,6 +12,7 @@ through the pipeline schedule and sends the last stage's rows to the other stage
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from functools import partial
 
 import torch
@@ -59,6 +60,12 @@ class LogProbs:
     def compute(self, engine, batch, temperature: float = 1.0, entropy: bool = False):
         """See `MegatronEngine.compute_log_probs`."""
         engine.check_ready("compute_log_probs", swapped_ok=True)
+        if not isinstance(batch, Mapping):
+            raise MegatronPluginConfigError(
+                "compute_log_probs(batch)", type(batch).__name__,
+                "pass the batch as model(**batch) takes it: a dict of tensors, {'input_ids': ..., 'attention_mask': ..., "
+                "'labels': ...}",
+            )
         temperature = check_temperature(temperature)
         if not isinstance(entropy, bool):
             raise MegatronPluginConfigError("entropy", entropy, "pass True or False")

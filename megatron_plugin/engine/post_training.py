@@ -85,6 +85,9 @@ class PostTrainingState:
             self.swapped = False
 
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True) -> Dict[str, int]:
+        for name, value in (("params", params), ("grads", grads), ("optimizer", optimizer)):
+            if not isinstance(value, bool):  # offload(params="no") would offload them
+                raise MegatronPluginConfigError(f"offload({name}=...)", value, "pass True or False")
         self.check_between_steps("offload")
         self.check_ready("offload", offloaded_ok=True)  # offloading twice is a no-op
         if self._offload is None:

@@ -16,6 +16,7 @@ and semantics of the Megatron-LM guide (accelerate's `megatron_generate`).
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass
 from typing import List, Optional
 
@@ -48,13 +49,20 @@ class Settings:
 def _number(name, value, kind, low=None, high=None, low_open=False, fix=""):
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, kind if isinstance(kind, tuple) else (kind,)):
-        raise MegatronPluginConfigError(name, value, f"pass a {'whole number' if kind is int else 'number'}{fix}")
+    whole = kind is int
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral if whole else numbers.Real):
+        raise MegatronPluginConfigError(name, value, f"pass a {'whole number' if whole else 'number'}{fix}")
+    value = int(value) if whole else float(value)  # numpy scalars too, as Python numbers
     if (low is not None and (value <= low if low_open else value < low)) or (high is not None and value > high) or (
             isinstance(value, float) and not math.isfinite(value)):
         bounds = f"{'>' if low_open else '>='} {low}" + (f" and <= {high}" if high is not None else "")
         raise MegatronPluginConfigError(name, value, f"it must be {bounds}{fix}")
     return value
+
+
+def _flag(name: str, value, none_ok: bool = False, fix: str = "pass True or False"):
+    if not isinstance(value, bool) and not (none_ok and value is None):
+        raise MegatronPluginConfigError(name, value, fix)
 
 
 def check_settings(hf_config, prompt_len: int, batch: int, vocab: int, position_limit: Optional[int], *,
@@ -67,28 +75,30 @@ def check_settings(hf_config, prompt_len: int, batch: int, vocab: int, position_
                                         "pass one of them: max_new_tokens counts new tokens, max_length the whole row")
     if max_length is None and max_new_tokens is None:
         raise MegatronPluginConfigError("max_new_tokens", None, "pass max_new_tokens (or max_length)")
-    _number("max_length", max_length, int, 1)
-    _number("max_new_tokens", max_new_tokens, int, 0)
+    max_length = _number("max_length", max_length, int, 1)
+    max_new_tokens = _number("max_new_tokens", max_new_tokens, int, 0)
     new = max_new_tokens if max_new_tokens is not None else max_length - prompt_len
     if new < 0:
         raise MegatronPluginConfigError("max_length", max_length, f"the prompts already have {prompt_len} tokens: "
                                         "pass a larger max_length, or max_new_tokens")
     if position_limit is not None and prompt_len + new > position_limit:
-        raise MegatronPluginConfigError(
-            "max_new_tokens" if max_new_tokens is not None else "max_length", max_new_tokens or max_length,
-            f"prompts of {prompt_len} tokens plus {new} new ones exceed the model's {position_limit} positions: "
-            f"ask for at most {max(position_limit - prompt_len, 0)} new tokens, or shorten the prompts",
-        )
-    _number("temperature", temperature, (int, float), 0.0, 100.0, low_open=True, fix=" (1.0 leaves the logits as they are)")
-    _number("top_k", top_k, int, 0, vocab, fix=f" (the vocabulary has {vocab} tokens; 0 disables top-k)")
-    _number("top_p", top_p, (int, float), 0.0, 1.0, fix=" (0 disables top-p)")
-    _number("top_p_decay", top_p_decay, (int, float), 0.0, 1.0)
-    _number("top_p_bound", top_p_bound, (int, float), 0.0, 1.0)
+        fix = (f"prompts of {prompt_len} tokens already exceed the model's {position_limit} positions: shorten the prompts"
+               if prompt_len > position_limit else
+               f"prompts of {prompt_len} tokens plus {new} new ones exceed the model's {position_limit} positions: "
+               f"ask for at most {position_limit - prompt_len} new tokens, or shorten the prompts")
+        length = ("max_new_tokens", max_new_tokens) if max_new_tokens is not None else ("max_length", max_length)
+        raise MegatronPluginConfigError(*length, fix)
+    temperature = _number("temperature", temperature, (int, float), 0.0, 100.0, low_open=True,
+                          fix=" (1.0 leaves the logits as they are)")
+    top_k = _number("top_k", top_k, int, 0, vocab, fix=f" (the vocabulary has {vocab} tokens; 0 disables top-k)")
+    top_p = _number("top_p", top_p, (int, float), 0.0, 1.0, fix=" (0 disables top-p)")
+    top_p_decay = _number("top_p_decay", top_p_decay, (int, float), 0.0, 1.0)
+    top_p_bound = _number("top_p_bound", top_p_bound, (int, float), 0.0, 1.0)
     if top_k and top_p:
         raise MegatronPluginConfigError("top_k/top_p", (top_k, top_p), "use top-k or top-p sampling, not both")
-    _number("num_beams", num_beams, int, 1)
-    _number("length_penalty", length_penalty, (int, float))
-    _number("random_seed", random_seed, int, 0)
+    num_beams = _number("num_beams", num_beams, int, 1)
+    length_penalty = _number("length_penalty", length_penalty, (int, float))
+    random_seed = _number("random_seed", random_seed, int, 0)
     if early_stopping not in (True, False, "never"):
         raise MegatronPluginConfigError("early_stopping", early_stopping, "use True, False or 'never' (as HF's generate)")
     beams = num_beams or 1
@@ -102,11 +112,14 @@ def check_settings(hf_config, prompt_len: int, batch: int, vocab: int, position_
     stops = stop_token if stop_token is not None else eos_token_id
     if stops is None:
         stops = getattr(hf_config, "eos_token_id", None)
-    stops = [] if stops is None else ([stops] if isinstance(stops, int) else list(stops))
+    if torch.is_tensor(stops):
+        stops = stops.tolist()
+    stops = [] if stops is None else (list(stops) if isinstance(stops, (list, tuple)) else [stops])
     for t in stops:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+        if isinstance(t, bool) or not isinstance(t, numbers.Integral) or not 0 <= t < vocab:
             raise MegatronPluginConfigError("stop_token", stop_token if stop_token is not None else eos_token_id,
-                                            f"stop tokens are ids in [0, {vocab})")
+                                            f"stop tokens are ids in [0, {vocab}): one id or a list of them")
+    stops = [int(t) for t in stops]
     pad = getattr(hf_config, "pad_token_id", None)
     pad = pad if isinstance(pad, int) else (stops[0] if stops else 0)
     return Settings(
@@ -119,9 +132,16 @@ def check_settings(hf_config, prompt_len: int, batch: int, vocab: int, position_
 
 def right_padded(input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor]):
     """(tokens with each row's prompt first, lengths). Accepts right- or left-padded prompts."""
-    if input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0 or input_ids.is_floating_point():
+    if not torch.is_tensor(input_ids):
+        raise MegatronPluginConfigError("inputs", type(input_ids).__name__, "pass the prompts' token ids as a torch "
+                                        "tensor [batch, prompt length], e.g. tokenizer(texts, return_tensors='pt').input_ids")
+    if (input_ids.dim() != 2 or input_ids.shape[0] == 0 or input_ids.shape[1] == 0 or input_ids.is_floating_point()
+            or input_ids.is_complex() or input_ids.dtype == torch.bool):
         raise MegatronPluginConfigError("inputs", f"{input_ids.dtype} tensor of shape {tuple(input_ids.shape)}",
                                         "pass integer token ids shaped [batch, prompt length]")
+    if attention_mask is not None and not torch.is_tensor(attention_mask):
+        raise MegatronPluginConfigError("attention_mask", type(attention_mask).__name__,
+                                        "pass a torch tensor shaped like the inputs (1 for a token, 0 for padding), or None")
     if attention_mask is None:
         return input_ids.long(), torch.full((input_ids.shape[0],), input_ids.shape[1], dtype=torch.long)
     if attention_mask.shape != input_ids.shape:
@@ -458,8 +478,10 @@ def megatron_generate(model, inputs: torch.Tensor, attention_mask: Optional[torc
                                         "cannot be split over TP ranks: turn it off for inference")
     if not stage.lm_head:
         raise MegatronPluginConfigError("model", type(stage.module).__name__, "a base model has no LM head to generate with")
-    if not isinstance(add_BOS, bool):
-        raise MegatronPluginConfigError("add_BOS", add_BOS, "pass True or False")
+    _flag("add_BOS", add_BOS)
+    _flag("use_cache", use_cache)
+    _flag("cuda_graphs", cuda_graphs, none_ok=True,
+          fix="pass True, False or None (None: CUDA graphs on CUDA without pipeline stages)")
     cfg = stage.hf_config
     bos = None
     if add_BOS:
