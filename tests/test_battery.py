@@ -156,6 +156,14 @@ def _engine_worker():
             seen.append(engine.compute_log_probs(batch))
     got["snapshot_reused"] = [torch.equal(s, reference) for s in seen]
     got["own_weights_after"] = torch.equal(engine.compute_log_probs(batch), trained)
+    # use_weights without `with` swaps nothing: it says so instead of leaving the script believing it did
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.use_weights(snapshot)
+    got["use_weights_without_with_warns"] = [str(w.message) for w in caught if "without `with`" in str(w.message)]
+    got["still_own_weights"] = torch.equal(engine.compute_log_probs(batch), trained)
     got["training_moved_them"] = not torch.equal(trained, reference)
     return out, got, len(generation) + len(log_probs)
 
@@ -237,6 +245,7 @@ def test_generation_log_probs_offload_and_snapshots_battery():
     assert got["offload_again"] == {k: 0 for k in moved}  # the second offload is a no-op
     assert got["reload"] == {k: v for k, v in moved.items() if v} and got["reload_again"] == {}
     assert got["snapshot_reused"] == [True, True, True]
+    assert len(got["use_weights_without_with_warns"]) == 1 and got["still_own_weights"], got
 
 
 # -- indexed datasets -------------------------------------------------------------------------------------------

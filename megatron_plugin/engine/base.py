@@ -73,6 +73,31 @@ class ReturnedLoss:
             warnings.warn(self.MESSAGE, stacklevel=2)
 
 
+class UsingWeights:
+    """What `use_weights(snapshot)` returns: the swap happens when the `with` block is entered. Called
+    without `with`, nothing is swapped while the script believes the snapshot's weights are in: that
+    says so (a warning when the unentered object is dropped, in CPython right after the call)."""
+
+    MESSAGE = ("use_weights(snapshot) was called without `with`: the model still holds its own weights. Write "
+               "`with accelerator.use_weights(snapshot):` around the log-probs / generation that should use it")
+
+    def __init__(self, engine, snapshot):
+        self.engine, self.snapshot, self.entered, self._block = engine, snapshot, False, None
+
+    def __enter__(self):
+        self.entered = True
+        self._block = self.engine.post_training.use_weights(self.snapshot)
+        self._block.__enter__()
+        return self.engine
+
+    def __exit__(self, *exc):
+        return self._block.__exit__(*exc)
+
+    def __del__(self):
+        if not self.entered:
+            warnings.warn(self.MESSAGE, stacklevel=2)
+
+
 class MegatronEngine(torch.nn.Module):
     def __init__(self, chunks: List[MegatronModel], optimizer, scheduler, plugin, train_step, device, autocast_dtype=None):
         super().__init__()
@@ -283,13 +308,11 @@ class MegatronEngine(torch.nn.Module):
         copy of the (mixed-precision) parameters in host memory, none on the device."""
         return self.post_training.snapshot()
 
-    @contextlib.contextmanager
-    def use_weights(self, snapshot):
+    def use_weights(self, snapshot) -> "UsingWeights":
         """Run the model with a snapshot's weights inside the `with` block (forward only: log-probs,
         generation, evaluation), and its own weights again after it, bit for bit. Swaps bytes with host
         memory: no second model on the device."""
-        with self.post_training.use_weights(snapshot):
-            yield self
+        return UsingWeights(self, snapshot)
 
     def offload(self, params: bool = True, grads: bool = True, optimizer: bool = True):
         """Move the parameters, gradients and optimizer state to host memory (pinned, on CUDA) and free
