@@ -81,6 +81,9 @@ def _engine_worker():
     got["stop_token_tensor"] = torch.equal(generate(stop_token=torch.tensor(7)), generate(stop_token=7))
     got["max_new_tokens_numpy"] = torch.equal(generate(max_new_tokens=np.int64(4)), greedy) and greedy.shape == (3, 12)
     got["max_new_tokens_zero"] = torch.equal(generate(max_new_tokens=0), ids)
+    # accelerate's signature: max_length, then max_new_tokens, by position after the mask
+    got["positional_like_accelerate"] = (torch.equal(engine.megatron_generate(ids, mask, 12), greedy)
+                                         and torch.equal(engine.megatron_generate(ids, mask, None, 4), greedy))
     got["int32_inputs"] = torch.equal(generate(inputs=ids.int()), greedy)
     got["float_mask"] = torch.equal(generate(attention_mask=mask.float()), greedy)
 
@@ -235,7 +238,8 @@ def test_generation_log_probs_offload_and_snapshots_battery():
     assert set(out) == set(ENGINE_REFUSALS), set(out) ^ set(ENGINE_REFUSALS)
     for name, (setting, *words) in ENGINE_REFUSALS.items():
         check_refusal(out[name], setting, *words, exact=True, where=name)
-    for name in ("stop_token_tensor", "max_new_tokens_numpy", "max_new_tokens_zero", "int32_inputs", "float_mask",
+    for name in ("stop_token_tensor", "max_new_tokens_numpy", "max_new_tokens_zero", "positional_like_accelerate",
+                 "int32_inputs", "float_mask",
                  "all_labels_ignored_is_zero", "weights_back", "not_offloaded_after", "own_weights_after",
                  "training_moved_them"):
         assert got[name] is True, (name, got[name])

@@ -329,12 +329,14 @@ class MegatronEngine(torch.nn.Module):
         return self.post_training.is_offloaded
 
     # -- conveniences -----------------------------------------------------------------------------
-    def megatron_generate(self, inputs, attention_mask=None, **kwargs):
-        """Generate with the tensor-parallel model (see `megatron_plugin.generation.generate`)."""
+    def megatron_generate(self, inputs, attention_mask=None, *args, **kwargs):
+        """Generate with the tensor-parallel model (see `megatron_plugin.generation.generate`). Arguments
+        after the mask may come by position in accelerate's order (max_length, max_new_tokens, num_beams,
+        temperature, top_k, top_p, ...)."""
         from ..generation.generate import megatron_generate
 
         self.check_ready("megatron_generate", swapped_ok=True)
-        return megatron_generate(self, inputs, attention_mask, **kwargs)
+        return megatron_generate(self, inputs, attention_mask, *args, **kwargs)
 
     def iter_hf_weights(self, grads: bool = False):
         """(HF name, full tensor) of the whole model, one at a time, on every rank (collective: every rank
