@@ -11,7 +11,7 @@ from checkpoint_utils import convert_hf_to_megatron
 from megatron_plugin import MegatronPluginConfigError
 from tests.models import tiny_gpt2
 from tests.spawn import run_on_ranks
-from tests.training import prepared_gpt2
+from tests.training import model_weights, prepared_gpt2
 
 
 def _one_file_format():
@@ -47,10 +47,6 @@ def _one_file_format():
     return OneFile()
 
 
-def _weights(engine):
-    return {k: v.clone() for k, v in engine.model.module.state_dict().items() if not k.endswith("_extra_state")}
-
-
 def _round_trip_worker(root):
     from megatron_plugin.engine import checkpoint
     from megatron_plugin.engine.checkpointing.state import TrainingState
@@ -59,19 +55,19 @@ def _round_trip_worker(root):
     fmt = checkpoint.register_format(_one_file_format())
     try:
         one_dir, native_dir = os.path.join(root, "one"), os.path.join(root, "native")
-        saved, iteration = _weights(engine), engine.iteration
+        saved, iteration = model_weights(engine), engine.iteration
         written = checkpoint.save_state(one_dir, engine, format_name=fmt.name)
         acc.save_state(native_dir)  # the default: the native format
         engine(**next(batches))
         engine(**next(batches))
-        moved = any(not torch.equal(v, saved[k]) for k, v in _weights(engine).items())
+        moved = any(not torch.equal(v, saved[k]) for k, v in model_weights(engine).items())
         meta = acc.load_state(one_dir)  # found by the registered format's `recognizes`
         one = {"meta": meta, "iteration": engine.iteration,
-               "equal": all(torch.equal(v, saved[k]) for k, v in _weights(engine).items())}
+               "equal": all(torch.equal(v, saved[k]) for k, v in model_weights(engine).items())}
         engine(**next(batches))
         meta = acc.load_state(native_dir)
         native = {"format": meta["format"], "iteration": engine.iteration,
-                  "equal": all(torch.equal(v, saved[k]) for k, v in _weights(engine).items())}
+                  "equal": all(torch.equal(v, saved[k]) for k, v in model_weights(engine).items())}
         picked = {d: checkpoint.format_for(d).name for d in (one_dir, native_dir)}
         views = sorted({t.__name__ for t in type(fmt).seen})
     finally:

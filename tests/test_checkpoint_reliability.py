@@ -18,7 +18,7 @@ from checkpoint_utils import convert_hf_to_megatron
 from tests.errors import check_refusal, refusal
 from tests.models import tiny_gpt2, tiny_llama
 from tests.spawn import run_on_ranks
-from tests.training import optimizer_for, token_dataset
+from tests.training import failing_save, model_weights, optimizer_for, token_dataset
 
 
 def _prepared(tp, seed):
@@ -33,10 +33,6 @@ def _prepared(tp, seed):
     )
     engine.train()
     return acc, engine, iter(loader)
-
-
-def _weights(engine):
-    return {k: v.clone() for k, v in engine.model.module.state_dict().items() if not k.endswith("_extra_state")}
 
 
 def _same(a, b):
@@ -60,9 +56,9 @@ SAME = {
 
 def _load_other_models(root):
     acc, engine, _ = _prepared(tp=2, seed=5)
-    before = _weights(engine)
+    before = model_weights(engine)
     out = {name: refusal(acc.load_state, os.path.join(root, name)) for name in OTHERS}
-    out["untouched"] = _same(_weights(engine), before) and engine.iteration == 0
+    out["untouched"] = _same(model_weights(engine), before) and engine.iteration == 0
     for name in SAME:
         got = refusal(acc.load_state, os.path.join(root, name))
         source = SAME[name][0]().state_dict()
@@ -93,31 +89,17 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_settings(tmp_path):
 def _dying_save(root, how):
     import torch.distributed as dist
 
-    import megatron_plugin.engine.checkpointing.native_save as save_mod
-
     acc, engine, batches = _prepared(tp=2, seed=0)
     rank = dist.get_rank()
     engine(**next(batches))
     engine(**next(batches))
     ckpt = os.path.join(root, "ckpt")
     acc.save_state(ckpt)
-    torch.save(_weights(engine), os.path.join(root, f"saved{rank}.pt"))
+    torch.save(model_weights(engine), os.path.join(root, f"saved{rank}.pt"))
     engine(**next(batches))  # the weights move on past the checkpoint
 
-    real_save = save_mod.save_file
-
-    def dying_save(tensors, path, *args, **kwargs):  # writes its model shard, then fails or dies
-        real_save(tensors, path, *args, **kwargs)
-        if how == "exit":
-            os._exit(1)
-        raise OSError("disk full (simulated)")
-
-    if rank == 1:
-        save_mod.save_file = dying_save
-    try:
+    with failing_save(how, active=rank == 1):  # rank 1 writes its model shard, then fails or dies
         got = refusal(acc.save_state, ckpt)
-    finally:
-        save_mod.save_file = real_save
     with open(os.path.join(ckpt, "latest")) as f:
         latest = f.read().strip()
     return {"refusal": got, "latest": latest, "entries": sorted(os.listdir(ckpt)), "iteration": engine.iteration}
@@ -130,7 +112,7 @@ def _fresh_load(root):
     meta = acc.load_state(os.path.join(root, "ckpt"))
     saved = torch.load(os.path.join(root, f"saved{dist.get_rank()}.pt"))
     return {"iteration": meta["iteration"], "engine_iteration": engine.iteration,
-            "restored": _same(_weights(engine), saved)}
+            "restored": _same(model_weights(engine), saved)}
 
 
 def test_a_rank_failing_mid_save_stops_every_rank_and_the_previous_checkpoint_loads(tmp_path):

@@ -9,32 +9,17 @@ import torch
 
 from tests.errors import check_refusal, refusal
 from tests.spawn import run_on_ranks
-from tests.training import prepared_gpt2
-
-
-def _weights(engine):
-    return {k: v.clone() for k, v in engine.model.module.state_dict().items() if not k.endswith("_extra_state")}
+from tests.training import failing_save, model_weights, prepared_gpt2
 
 
 def _crash_worker(ckpt):
-    import megatron_plugin.engine.checkpointing.native_save as ckpt_mod
-
     acc, engine, batches = prepared_gpt2(steps_before=2)
     acc.save_state(ckpt)
-    saved = _weights(engine)
+    saved = model_weights(engine)
     engine(**next(batches))  # the weights move on past the checkpoint
 
-    real_save = ckpt_mod.save_file
-
-    def dying_save(tensors, path, *args, **kwargs):  # writes its file, then the process "dies"
-        real_save(tensors, path, *args, **kwargs)
-        raise OSError("disk full (simulated)")
-
-    ckpt_mod.save_file = dying_save
-    try:
+    with failing_save():  # writes its file, then the process "dies"
         crashed = refusal(acc.save_state, ckpt)
-    finally:
-        ckpt_mod.save_file = real_save
     with open(os.path.join(ckpt, "latest")) as f:
         latest = f.read().strip()
     before = engine.model.module.state_dict()
@@ -65,11 +50,11 @@ def _older_over_newer_worker(root):
     acc, engine, batches = prepared_gpt2(steps_before=2)
     old_dir, ckpt = os.path.join(root, "old"), os.path.join(root, "ckpt")
     acc.save_state(old_dir)
-    at2 = _weights(engine)
+    at2 = model_weights(engine)
     engine(**next(batches))
     engine(**next(batches))
     acc.save_state(ckpt)  # iteration 4
-    at4 = _weights(engine)
+    at4 = model_weights(engine)
     acc.load_state(old_dir)  # back at iteration 2, as a run resumed from an older checkpoint
     records = []
     handler = logging.Handler(logging.WARNING)
@@ -84,9 +69,9 @@ def _older_over_newer_worker(root):
         latest = f.read().strip()
     entries = sorted(os.listdir(ckpt))
     newer = acc.load_state(os.path.join(ckpt, "iter_0000004"))["iteration"], engine.iteration
-    newer_equal = all(torch.equal(v, at4[k]) for k, v in _weights(engine).items())
+    newer_equal = all(torch.equal(v, at4[k]) for k, v in model_weights(engine).items())
     latest_meta = acc.load_state(ckpt)["iteration"], engine.iteration
-    latest_equal = all(torch.equal(v, at2[k]) for k, v in _weights(engine).items())
+    latest_equal = all(torch.equal(v, at2[k]) for k, v in model_weights(engine).items())
     return {"written": os.path.basename(written), "latest": latest, "entries": entries, "newer": newer,
             "newer_equal": newer_equal, "latest_meta": latest_meta, "latest_equal": latest_equal,
             "warnings": [r.getMessage() for r in records if r.levelno == logging.WARNING],

@@ -1,6 +1,9 @@
 """A tiny causal-LM training run, written once and run two ways: as the user's script under
 megatron_plugin.Accelerator, and as plain HF + torch (the reference)."""
 
+import contextlib
+import os
+
 import torch
 from torch.utils.data import DataLoader
 
@@ -140,6 +143,33 @@ def prepared_gpt2(steps_before=1):
     for _ in range(steps_before):
         engine(**next(batches))
     return acc, engine, batches
+
+
+def model_weights(engine):
+    """A copy of this rank's Megatron weights (every chunk's state dict but TE's extra state)."""
+    return {k: v.clone() for k, v in engine.model.module.state_dict().items() if not k.endswith("_extra_state")}
+
+
+@contextlib.contextmanager
+def failing_save(how: str = "raise", active: bool = True):
+    """Inside the block (when `active`), the native checkpoint format's file writer writes its file and then
+    fails: raises OSError ('raise') or ends the process ('exit'), a save dying part-way."""
+    import megatron_plugin.engine.checkpointing.native_save as save_mod
+
+    real = save_mod.save_file
+
+    def dying(tensors, path, *args, **kwargs):
+        real(tensors, path, *args, **kwargs)
+        if how == "exit":
+            os._exit(1)
+        raise OSError("disk full (simulated)")
+
+    if active:
+        save_mod.save_file = dying
+    try:
+        yield
+    finally:
+        save_mod.save_file = real
 
 
 def freeze(model, prefixes):
