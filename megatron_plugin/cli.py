@@ -18,7 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .errors import MegatronPluginConfigError
-from .plugin import ENV_FIELDS, MegatronLMPlugin, check_compile, check_cpu_support, parse_bool, parse_float, parse_int
+from .plugin import (ENV_FIELDS, MegatronLMPlugin, check_compile, check_cpu_support, check_mixed_precision, parse_bool,
+                     parse_float, parse_int)
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -110,8 +111,7 @@ def checked_plugin(settings: dict, world_size: int, cpu: bool, compile_backend, 
             check_cpu_support(plugin)
         if compile_backend:
             check_compile(plugin, {"backend": compile_backend}, "cpu" if cpu else "cuda")
-        if cpu and mixed_precision == "fp16":
-            raise MegatronPluginConfigError("mixed_precision", "fp16", "fp16 needs CUDA; use 'no' or 'bf16' for CPU")
+        check_mixed_precision(mixed_precision, "cpu" if cpu else "cuda")
     except MegatronPluginConfigError as err:
         raise MegatronPluginConfigError(names.get(err.setting, err.setting), err.value, err.fix) from None
     return plugin

@@ -281,6 +281,12 @@ def check_cpu_support(plugin: MegatronLMPlugin) -> None:
             )
 
 
+def check_mixed_precision(mixed_precision, device_type: str) -> None:
+    """fp16 (dynamic loss scaling in mcore's optimizer) runs on the CUDA engine only."""
+    if mixed_precision == "fp16" and device_type != "cuda":
+        raise MegatronPluginConfigError("mixed_precision", "fp16", "fp16 needs CUDA; use 'bf16' or 'no' on CPU")
+
+
 def check_compile(plugin: MegatronLMPlugin, compile_kwargs: Optional[dict], device_type: str) -> None:
     """Compiled layers run on the CUDA engine (with TP > 1 the tensor-parallel linears stay eager inside
     them: layers/linear.py)."""

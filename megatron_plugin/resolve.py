@@ -36,7 +36,8 @@ from .fs import check_writable
 from .models import ModelFamily, check_model
 from .models.convert import mcore_to_hf_sources
 from .models.mapping import StagePlan
-from .plugin import MegatronLMPlugin, check_compile, check_cpu_support, resolve_train_step_class, uses_cuda_graphs
+from .plugin import (MegatronLMPlugin, check_compile, check_cpu_support, check_mixed_precision, resolve_train_step_class,
+                     uses_cuda_graphs)
 
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -230,9 +231,8 @@ def resolve(inputs: Inputs, plugin: MegatronLMPlugin, *, world_size: int, device
     check_compile(plugin, compile_kwargs, device_type)
     if device_type == "cpu":
         check_cpu_support(plugin)
+    check_mixed_precision(mixed_precision, device_type)
     dtype = MIXED_PRECISION.get(mixed_precision)
-    if dtype is torch.float16 and device_type == "cpu":
-        raise MegatronPluginConfigError("mixed_precision", "fp16", "fp16 needs CUDA; use 'bf16' or 'no' on CPU")
     hf_model = inputs.model
     family = check_model(plugin, hf_model.config, world_size=world_size)  # the plugin's one validation
     num_layers = family.num_layers(hf_model.config)
