@@ -11,7 +11,7 @@ import importlib
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from .errors import MegatronPluginConfigError
 from .quiet import QUIET_IMPORT, quiet
@@ -74,9 +74,20 @@ def resolve_train_step_class(value):
     return value
 
 
-_PARSERS = {bool: parse_bool, int: parse_int, float: parse_float}
+def parse_str(setting: str, raw: str) -> str:
+    return str(raw).strip().lower()
 
-# field name -> (environment variable, type, default when neither code nor environment sets it)
+
+def parse_bool_or_str(setting: str, raw: str):
+    """accelerate's attention_backend is a bool; Megatron-LM's --attention-backend a name ('auto', ...)."""
+    text = str(raw).strip().lower()
+    return True if text in _TRUE else False if text in _FALSE else text
+
+
+_PARSERS = {bool: parse_bool, int: parse_int, float: parse_float, str: parse_str, "bool|str": parse_bool_or_str}
+
+# field name -> (environment variable, type, default when neither code nor environment sets it): every
+# `megatron_lm_*` key `accelerate launch` writes into the environment (accelerate's launch.py) is read here
 ENV_FIELDS = {
     "tp_degree": ("TP_DEGREE", int, 1),
     "pp_degree": ("PP_DEGREE", int, 1),
@@ -85,6 +96,25 @@ ENV_FIELDS = {
     "sequence_parallelism": ("SEQUENCE_PARALLELISM", bool, False),
     "recompute_activations": ("RECOMPUTE_ACTIVATIONS", bool, False),
     "use_distributed_optimizer": ("USE_DISTRIBUTED_OPTIMIZER", bool, False),
+    "recompute_method": ("RECOMPUTE_METHOD", str, "uniform"),
+    "recompute_num_layers": ("RECOMPUTE_NUM_LAYERS", int, 1),
+    "use_custom_fsdp": ("USE_CUSTOM_FSDP", bool, False),
+    "no_load_optim": ("NO_LOAD_OPTIM", bool, False),
+    "no_save_optim": ("NO_SAVE_OPTIM", bool, False),
+    "eod_mask_loss": ("EOD_MASK_LOSS", bool, False),
+    "optimizer_cpu_offload": ("OPTIMIZER_CPU_OFFLOAD", bool, False),
+    "overlap_cpu_optimizer_d2h_h2d": ("OVERLAP_CPU_OPTIMIZER_D2H_H2D", bool, False),
+    "use_precision_aware_optimizer": ("USE_PRECISION_AWARE_OPTIMIZER", bool, False),
+    "decoder_last_pipeline_num_layers": ("DECODER_LAST_PIPELINE_NUM_LAYERS", int, None),
+    "attention_backend": ("ATTENTION_BACKEND", "bool|str", "auto"),
+    "expert_model_parallel_size": ("EXPERT_MODEL_PARALLEL_SIZE", int, 1),
+    "expert_tensor_parallel_size": ("EXPERT_TENSOR_PARALLEL_SIZE", int, None),
+    "context_parallel_size": ("CONTEXT_PARALLEL_SIZE", int, 1),
+    "attention_dropout": ("ATTENTION_DROPOUT", float, None),
+    "hidden_dropout": ("HIDDEN_DROPOUT", float, None),
+    "attention_softmax_in_fp32": ("ATTENTION_SOFTMAX_IN_FP32", bool, True),
+    "calculate_per_token_loss": ("CALCULATE_PER_TOKEN_LOSS", bool, False),
+    "use_rotary_position_embeddings": ("USE_ROTARY_POSITION_EMBEDDINGS", bool, None),
 }
 
 RECOMPUTE_GRANULARITIES = ("selective", "full")
@@ -113,8 +143,8 @@ class MegatronLMPlugin:
     recompute_granularity: Optional[str] = field(
         default=None, metadata={"help": "'selective' or 'full'; overrides recompute_activations when set"}
     )
-    recompute_method: str = field(default="uniform", metadata={"help": "'uniform' or 'block' for full recompute"})
-    recompute_num_layers: int = field(default=1, metadata={"help": "layers per recompute unit for full recompute"})
+    recompute_method: Optional[str] = field(default=None, metadata={"help": "'uniform' (default) or 'block' for full recompute"})
+    recompute_num_layers: Optional[int] = field(default=None, metadata={"help": "layers per recompute unit for full recompute (default 1)"})
     use_distributed_optimizer: Optional[bool] = field(
         default=None, metadata={"help": "shard optimizer state and gradients across data-parallel ranks"}
     )
@@ -167,6 +197,57 @@ class MegatronLMPlugin:
         default=False, metadata={"help": "the dataloaders are Megatron indexed datasets: pass a MegatronLMDummyDataLoader "
                                           "to prepare (set for you when you do)"}
     )
+    # --- the rest of accelerate's MegatronLMPlugin, by its names and with Megatron-LM's meaning ---
+    # parallel layout
+    context_parallel_size: Optional[int] = field(default=None, metadata={"help": "context parallel degree: split each sequence over this many ranks (default 1)"})
+    expert_model_parallel_size: Optional[int] = field(default=None, metadata={"help": "expert parallel degree for MoE layers (default 1)"})
+    expert_tensor_parallel_size: Optional[int] = field(default=None, metadata={"help": "tensor parallel degree inside experts (default: tp_degree)"})
+    decoder_last_pipeline_num_layers: Optional[int] = field(default=None, metadata={"help": "layers on the last pipeline stage; the others split the rest evenly (default: an even split)"})
+    pipeline_model_parallel_split_rank: Optional[int] = field(default=None, metadata={"help": "Megatron-LM's encoder/decoder pipeline split (removed from Megatron-Core)"})
+    use_custom_fsdp: Optional[bool] = field(default=None, metadata={"help": "Megatron-Core's FSDP instead of DDP"})
+    # model
+    attention_dropout: Optional[float] = field(default=None, metadata={"help": "dropout of attention probabilities (default: the HF config's)"})
+    hidden_dropout: Optional[float] = field(default=None, metadata={"help": "dropout after attention and MLP (default: the HF config's)"})
+    attention_softmax_in_fp32: Optional[bool] = field(default=None, metadata={"help": "compute the attention softmax in fp32 (default True)"})
+    attention_backend: Optional[object] = field(default=None, metadata={"help": "Megatron-LM's --attention-backend: 'auto' (default; True means the same) picks the kernel"})
+    use_rotary_position_embeddings: Optional[bool] = field(default=None, metadata={"help": "rotary position embeddings; default: what the HF model uses"})
+    encoder_seq_length: Optional[int] = field(default=None, metadata={"help": "encoder sequence length (T5); for decoder-only models, the sequence length"})
+    decoder_seq_length: Optional[int] = field(default=None, metadata={"help": "decoder sequence length (T5)"})
+    # loss
+    calculate_per_token_loss: Optional[bool] = field(default=None, metadata={"help": "weight each token equally over micro-batches and data-parallel ranks: the loss over the global batch, as HF computes it (default False: the mean of micro-batch means)"})
+    eod_mask_loss: Optional[bool] = field(default=None, metadata={"help": "leave end-of-document (eos) tokens out of the loss"})
+    # schedule and optimizer
+    train_iters: Optional[int] = field(default=None, metadata={"help": "optimizer steps of the whole run (or train_samples)"})
+    train_samples: Optional[int] = field(default=None, metadata={"help": "samples of the whole run; steps = train_samples / global batch"})
+    lr_warmup_iters: Optional[int] = field(default=None, metadata={"help": "steps of linear warmup"})
+    lr_warmup_samples: Optional[int] = field(default=None, metadata={"help": "samples of linear warmup"})
+    lr_warmup_fraction: Optional[float] = field(default=None, metadata={"help": "warmup as a fraction of the decay steps"})
+    lr_decay_samples: Optional[int] = field(default=None, metadata={"help": "samples of learning-rate decay (default: train_samples)"})
+    start_weight_decay: Optional[float] = field(default=None, metadata={"help": "weight decay at the start (default: the optimizer's)"})
+    end_weight_decay: Optional[float] = field(default=None, metadata={"help": "weight decay at the end (default: the optimizer's)"})
+    weight_decay_incr_style: str = field(default="constant", metadata={"help": "'constant', 'linear' or 'cosine' from start_ to end_weight_decay"})
+    lr_mult: float = field(default=1.0, metadata={"help": "learning-rate multiplier for the parameters scale_lr_cond selects"})
+    scale_lr_cond: Optional[Callable] = field(default=None, metadata={"help": "scale_lr_cond(name, param) -> bool: these parameters get lr * lr_mult"})
+    no_wd_decay_cond: Optional[Callable] = field(default=None, metadata={"help": "no_wd_decay_cond(name, param) -> bool: these parameters get no weight decay"})
+    optimizer_cpu_offload: Optional[bool] = field(default=None, metadata={"help": "keep optimizer states and step on the CPU (Megatron-Core's hybrid optimizer)"})
+    overlap_cpu_optimizer_d2h_h2d: Optional[bool] = field(default=None, metadata={"help": "with optimizer_cpu_offload: overlap the gradient and parameter copies with the step"})
+    use_precision_aware_optimizer: Optional[bool] = field(default=None, metadata={"help": "Megatron-Core's precision-aware optimizer (bf16 states, fp32 master weights inside)"})
+    # checkpoints
+    no_load_optim: Optional[bool] = field(default=None, metadata={"help": "load_state reads the weights (and schedule) but not the optimizer state"})
+    no_save_optim: Optional[bool] = field(default=None, metadata={"help": "save_state writes no optimizer state"})
+    ckpt_format: str = field(default="torch_dist", metadata={"help": "save_state's format: 'torch_dist' (Megatron-LM's layout and megatron-core's dist_checkpointing) or 'megatron_plugin' (safetensors per rank)"})
+    # data
+    is_train_batch_min: bool = field(default=True, metadata={"help": "with train and eval loaders, the micro-batch is the smaller of their batch sizes (else the train one)"})
+    consumed_samples: Optional[list] = field(default=None, metadata={"help": "[train, valid, test] samples already consumed, for Megatron indexed datasets"})
+    # logging
+    tensorboard_dir: Optional[str] = field(default=None, metadata={"help": "write TensorBoard scalars (loss, learning rate, grad norm, ...) here"})
+    set_all_logging_options: bool = field(default=False, metadata={"help": "with tensorboard_dir: also log timers, memory and parameter norms"})
+    # Megatron-LM's hooks
+    custom_model_provider_function: Optional[Callable] = field(default=None, metadata={"help": "model_provider(pre_process, post_process) -> a Megatron-Core module, instead of converting the HF model"})
+    custom_prepare_model_function: Optional[Callable] = field(default=None, metadata={"help": "prepare_model(model_provider) -> model chunks"})
+    custom_megatron_datasets_provider_function: Optional[Callable] = field(default=None, metadata={"help": "train_valid_test_datasets_provider(train_val_test_num_samples) for indexed data"})
+    custom_get_batch_function: Optional[Callable] = field(default=None, metadata={"help": "get_batch(data_iterator) for the train step"})
+    custom_loss_function: Optional[Callable] = field(default=None, metadata={"help": "loss_func(..., output_tensor) for the train step"})
     other_megatron_args: dict = field(
         default_factory=dict, metadata={"help": "extra TransformerConfig fields, e.g. {'attention_dropout': 0.0}"}
     )
