@@ -505,7 +505,7 @@ def test_save_state_into_a_file_path_is_refused_on_every_rank(tmp_path):
 def _save_then_load(save_dir, damage, tp=2):
     import shutil
 
-    acc, engine = _prepare(plugin=MegatronLMPlugin(tp_degree=tp))
+    acc, engine = _prepare(plugin=MegatronLMPlugin(tp_degree=tp, ckpt_format="megatron_plugin"))
     engine.train()
     batch = {k: torch.stack([d[k] for d in token_dataset(4, 1000)]) for k in ("input_ids", "labels")}
     engine(**batch)

@@ -4,8 +4,9 @@
   anything is loaded, naming each setting that differs, on the same-layout path and the resharding path;
   the same model in another TP layout, or with settings that shape no weight (dropout), still loads.
 - A rank failing part-way through save_state stops every rank with one clear error (none is left waiting
-  in a collective), and a rank killed part-way leaves `latest` naming the previous checkpoint: a fresh
-  load gets it back bit for bit, with its iteration.
+  in a collective), and a rank killed part-way leaves the tracker (the native format's `latest`,
+  torch_dist's `latest_checkpointed_iteration.txt`) naming the previous checkpoint: a fresh load gets it
+  back bit for bit, with its iteration. Both formats.
 """
 
 import os
@@ -21,13 +22,13 @@ from tests.spawn import run_on_ranks
 from tests.training import failing_save, model_weights, optimizer_for, token_dataset
 
 
-def _prepared(tp, seed):
+def _prepared(tp, seed, ckpt_format="torch_dist"):
     """A tiny 2-layer GPT-2 (`seed`: its initial weights) prepared at `tp` on every process."""
     from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
 
     model = tiny_gpt2("tied", seed=seed)
     opt = optimizer_for(model)
-    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=tp))
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=tp, ckpt_format=ckpt_format))
     engine, opt, sched, loader = acc.prepare(
         model, opt, MegatronLMDummyScheduler(opt, total_num_steps=10), DataLoader(token_dataset(24, 1000), batch_size=4)
     )
@@ -86,10 +87,15 @@ def test_a_checkpoint_of_another_model_is_refused_naming_the_settings(tmp_path):
 
 
 # -- a rank failing or dying inside save_state -----------------------------------------------------------
-def _dying_save(root, how):
+# ckpt_format -> (the tracker file, what it holds for iteration 2, how a failed save's error names it)
+TRACKERS = {"megatron_plugin": ("latest", "iter_0000002", "latest"),
+            "torch_dist": ("latest_checkpointed_iteration.txt", "2", "tracker")}
+
+
+def _dying_save(root, how, fmt):
     import torch.distributed as dist
 
-    acc, engine, batches = _prepared(tp=2, seed=0)
+    acc, engine, batches = _prepared(tp=2, seed=0, ckpt_format=fmt)
     rank = dist.get_rank()
     engine(**next(batches))
     engine(**next(batches))
@@ -98,9 +104,9 @@ def _dying_save(root, how):
     torch.save(model_weights(engine), os.path.join(root, f"saved{rank}.pt"))
     engine(**next(batches))  # the weights move on past the checkpoint
 
-    with failing_save(how, active=rank == 1):  # rank 1 writes its model shard, then fails or dies
+    with failing_save(how, active=rank == 1, ckpt_format=fmt):  # rank 1 writes its shards, then fails or dies
         got = refusal(acc.save_state, ckpt)
-    with open(os.path.join(ckpt, "latest")) as f:
+    with open(os.path.join(ckpt, TRACKERS[fmt][0])) as f:
         latest = f.read().strip()
     return {"refusal": got, "latest": latest, "entries": sorted(os.listdir(ckpt)), "iteration": engine.iteration}
 
@@ -115,21 +121,25 @@ def _fresh_load(root):
             "restored": _same(model_weights(engine), saved)}
 
 
-def test_a_rank_failing_mid_save_stops_every_rank_and_the_previous_checkpoint_loads(tmp_path):
-    for res in run_on_ranks(_dying_save, 2, str(tmp_path), "raise"):  # returns: no rank hangs
+@pytest.mark.parametrize("fmt", sorted(TRACKERS))
+def test_a_rank_failing_mid_save_stops_every_rank_and_the_previous_checkpoint_loads(tmp_path, fmt):
+    tracker, names, said = TRACKERS[fmt]
+    for res in run_on_ranks(_dying_save, 2, str(tmp_path), "raise", fmt):  # returns: no rank hangs
         check_refusal(res["refusal"], "save_state(output_dir)", str(tmp_path / "ckpt"), "rank 1",
-                      "OSError: disk full (simulated)", "latest", "iter_0000002")
-        assert res["latest"] == "iter_0000002" and res["iteration"] == 3
-        assert res["entries"] == ["iter_0000002", "latest"]  # the half-written checkpoint is cleared away
+                      "OSError: disk full (simulated)", said, "iter_0000002")
+        assert res["latest"] == names and res["iteration"] == 3
+        assert res["entries"] == sorted(["iter_0000002", tracker])  # the half-written checkpoint is cleared away
     for res in run_on_ranks(_fresh_load, 2, str(tmp_path)):
         assert res == {"iteration": 2, "engine_iteration": 2, "restored": True}
 
 
-def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_to_load(tmp_path):
+@pytest.mark.parametrize("fmt", sorted(TRACKERS))
+def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_to_load(tmp_path, fmt):
+    tracker, names, _ = TRACKERS[fmt]
     with pytest.raises(AssertionError, match="died|failed"):  # the launcher sees the lost rank
-        run_on_ranks(_dying_save, 2, str(tmp_path), "exit")
+        run_on_ranks(_dying_save, 2, str(tmp_path), "exit", fmt)
     entries = sorted(os.listdir(tmp_path / "ckpt"))
     assert "iter_0000002" in entries and "iter_0000003" not in entries
-    assert (tmp_path / "ckpt" / "latest").read_text().strip() == "iter_0000002"
+    assert (tmp_path / "ckpt" / tracker).read_text().strip() == names
     for res in run_on_ranks(_fresh_load, 2, str(tmp_path)):  # fresh processes, as a relaunched job
         assert res == {"iteration": 2, "engine_iteration": 2, "restored": True}

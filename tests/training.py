@@ -125,16 +125,17 @@ def optimizer_for(model, weight_decay=0.1, trainable_only=False):
 FROZEN = ("transformer.wte.", "transformer.h.0.attn.")
 
 
-def prepared_gpt2(steps_before=1):
+def prepared_gpt2(steps_before=1, model_overrides=None, **plugin_kwargs):
     """A tiny GPT-2 prepared on one process (CPU engine) and trained `steps_before` steps: (accelerator,
-    engine, the loader's remaining batches), for tests of what happens around a step (checkpoints)."""
+    engine, the loader's remaining batches), for tests of what happens around a step (checkpoints).
+    `plugin_kwargs` go to the MegatronLMPlugin (e.g. ckpt_format), `model_overrides` to the GPT-2 config."""
     from torch.utils.data import DataLoader
 
     from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
 
-    model = tiny_gpt2()
+    model = tiny_gpt2(**(model_overrides or {}))
     opt = optimizer_for(model)
-    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin())
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(**plugin_kwargs))
     engine, opt, sched, loader = acc.prepare(
         model, opt, MegatronLMDummyScheduler(opt, total_num_steps=10), DataLoader(token_dataset(24, 1000), batch_size=4)
     )
@@ -151,25 +152,31 @@ def model_weights(engine):
 
 
 @contextlib.contextmanager
-def failing_save(how: str = "raise", active: bool = True):
-    """Inside the block (when `active`), the native checkpoint format's file writer writes its file and then
-    fails: raises OSError ('raise') or ends the process ('exit'), a save dying part-way."""
-    import megatron_plugin.engine.checkpointing.native_save as save_mod
+def failing_save(how: str = "raise", active: bool = True, ckpt_format: str = "megatron_plugin"):
+    """Inside the block (when `active`), the checkpoint format's writer writes its files and then fails:
+    raises OSError ('raise') or ends the process ('exit'), a save dying part-way. The native format's writer
+    is one rank's model file; torch_dist's is the collective write of every rank's shards, which this rank
+    then fails after."""
+    if ckpt_format == "torch_dist":
+        import megatron_plugin.engine.checkpointing.megatron_lm_save as save_mod
+        attr = "save_sharded"
+    else:
+        import megatron_plugin.engine.checkpointing.native_save as save_mod
+        attr = "save_file"
+    real = getattr(save_mod, attr)
 
-    real = save_mod.save_file
-
-    def dying(tensors, path, *args, **kwargs):
-        real(tensors, path, *args, **kwargs)
+    def dying(*args, **kwargs):
+        real(*args, **kwargs)
         if how == "exit":
             os._exit(1)
         raise OSError("disk full (simulated)")
 
     if active:
-        save_mod.save_file = dying
+        setattr(save_mod, attr, dying)
     try:
         yield
     finally:
-        save_mod.save_file = real
+        setattr(save_mod, attr, real)
 
 
 def freeze(model, prefixes):

@@ -1,9 +1,10 @@
 """`save_state` / `load_state` for Megatron runs: what the accelerator calls.
 
 Both take the run's `TrainingState` from the engine once and hand it to a checkpoint format
-(`checkpointing.formats.CheckpointFormat`): a save to the format named (today's, `megatron_plugin/1`,
-by default), a load to the first registered format that recognizes the folder. To add a format,
-implement the interface and `register_format` it; nothing here changes.
+(`checkpointing.formats.CheckpointFormat`): a save to the format named (the plugin's `ckpt_format`:
+Megatron-LM's `torch_dist` by default, or `megatron_plugin`, the native `megatron_plugin/1`), a load to
+the first registered format that recognizes the folder (native; Megatron-LM's torch_dist and legacy
+torch). To add a format, implement the interface and `register_format` it; nothing here changes.
 """
 
 from __future__ import annotations
@@ -15,13 +16,17 @@ from ..errors import MegatronPluginConfigError
 from .checkpointing.collective import agree
 from .checkpointing.formats import CheckpointFormat
 from .checkpointing.layout import FORMAT, missing_checkpoint
+from .checkpointing.megatron_lm import NAME as TORCH_DIST
+from .checkpointing.megatron_lm import TorchDistFormat
 from .checkpointing.native import NativeFormat
 from .checkpointing.state import TrainingState
 
-__all__ = ["FORMATS", "agree", "format_for", "format_named", "load_state", "register_format", "save_state"]
+__all__ = ["ALIASES", "FORMATS", "agree", "format_for", "format_named", "load_state", "register_format", "save_state"]
 
 # every format a load may find, tried in this order; a save writes the one it names
-FORMATS: Dict[str, CheckpointFormat] = {FORMAT: NativeFormat()}
+FORMATS: Dict[str, CheckpointFormat] = {FORMAT: NativeFormat(), TORCH_DIST: TorchDistFormat()}
+# the plugin's `ckpt_format` values -> format names
+ALIASES = {"megatron_plugin": FORMAT}
 
 
 def register_format(fmt: CheckpointFormat) -> CheckpointFormat:
@@ -31,8 +36,9 @@ def register_format(fmt: CheckpointFormat) -> CheckpointFormat:
 
 
 def format_named(name: str) -> CheckpointFormat:
+    name = ALIASES.get(name, name)
     if name not in FORMATS:
-        raise MegatronPluginConfigError("save_state format_name", name, f"use one of {sorted(FORMATS)}")
+        raise MegatronPluginConfigError("ckpt_format", name, f"use one of {sorted(set(FORMATS) | set(ALIASES))}")
     return FORMATS[name]
 
 
@@ -47,7 +53,7 @@ def format_for(input_dir: str) -> CheckpointFormat:
 
 
 def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer: bool = False,
-               format_name: str = FORMAT) -> str:
+               format_name: str = TORCH_DIST) -> str:
     """Collective: every rank calls it. Returns the checkpoint's folder (see the format's `save`)."""
     state = TrainingState.of_engine(engine, custom_objects, distributed_optimizer)
     return format_named(format_name).save(output_dir, state)

@@ -89,6 +89,7 @@ def local_layer_spec(qk_layernorm: bool = False, causal: bool = True, post_ln: b
     return ModuleSpec(
         module=PostLNTransformerLayer if post_ln else TransformerLayer,
         submodules=TransformerLayerSubmodules(
+            sharded_state_dict_keys_map=checkpoint_keys_map(post_ln, mlp),
             input_layernorm=pre_norm,
             self_attention=ModuleSpec(
                 module=SelfAttention,
@@ -108,6 +109,20 @@ def local_layer_spec(qk_layernorm: bool = False, causal: bool = True, post_ln: b
             mlp_bda=get_bias_dropout_add,
         ),
     )
+
+
+def checkpoint_keys_map(post_ln: bool, mlp: ModuleSpec) -> dict:
+    """Checkpoint names (torch_dist) that Megatron-LM writes for the norms of a layer, as megatron-core's
+    local GPT/BERT/T5 specs map them: Megatron-LM's default TE layers fuse the pre-attention norm into
+    `linear_qkv` and the pre-MLP norm into `linear_fc1`, so its checkpoints (and NeMo, Bridge, verl) name
+    them `...linear_qkv.layer_norm_weight` / `...linear_fc1.layer_norm_weight`. Post-LN layers have no norm
+    before a linear to fuse, and an MoE layer keeps its pre-MLP norm apart (TE's MoE spec does too)."""
+    if post_ln:
+        return {}
+    keys = {"input_layernorm.": "self_attention.linear_qkv.layer_norm_"}
+    if mlp.module is MLP:
+        keys["pre_mlp_layernorm."] = "mlp.linear_fc1.layer_norm_"
+    return keys
 
 
 def block_spec(config: TransformerConfig, num_local_layers: int, backend: str = "local", *, causal: bool = True,

@@ -1,8 +1,9 @@
 """`CheckpointFormat`: how one on-disk format saves and loads a `TrainingState`.
 
 `save_state` / `load_state` (engine/checkpoint.py) only choose a format and call it: for a save, by
-name; for a load, the first registered format that `recognizes` the folder. Today's format is
-`native.NativeFormat`; Megatron-LM's torch_dist checkpoints would be a second implementation.
+name; for a load, the first registered format that `recognizes` the folder. Two are registered:
+`native.NativeFormat` (`megatron_plugin/1`) and `megatron_lm.TorchDistFormat` (Megatron-LM's layout,
+megatron-core's torch_dist; it also reads Megatron-LM's legacy torch checkpoints).
 """
 
 from __future__ import annotations

@@ -26,6 +26,8 @@ def load_same_layout(ckpt: str, meta: dict, state: TrainingState) -> dict:
         # model_only checkpoints (checkpoint_utils) are weights: optimizer, scheduler and RNG start fresh
         _load_optimizer(ckpt, meta, state, saved.get("optimizer"))
         state.restore(saved, ckpt, meta["world_size"])
+    else:
+        state.optimizer_follows_weights()
     state.set_iteration(meta["iteration"])
     dist.barrier()
     return meta
@@ -52,7 +54,8 @@ def _read(ckpt: str, meta: dict, state: TrainingState) -> dict:
     other_dp = meta["world_size"] != grid.world_size  # the same layout, more or fewer replicas
     # the distributed optimizer shards its state over the data-parallel ranks: only the same sharding loads
     sharded = meta["distributed_optimizer"] or state.distributed_optimizer
-    if not (sharded and (other_dp or meta["distributed_optimizer"] != state.distributed_optimizer)):
+    fits = not (sharded and (other_dp or meta["distributed_optimizer"] != state.distributed_optimizer))
+    if fits and meta.get("optimizer", True) and state.load_optimizer:
         saved["optimizer"] = torch_load(verify_file(ckpt, optimizer_file(name, "dp000.pt"), meta),
                                         map_location=state.device)
         if meta["distributed_optimizer"] and grid.dp_rank == 0:
@@ -83,11 +86,19 @@ def _read_model(ckpt: str, meta: dict, state: TrainingState) -> dict:
 
 
 def _load_optimizer(ckpt: str, meta: dict, state: TrainingState, optimizer_state) -> None:
-    """The optimizer's state, or a warning that it starts fresh (saved with another sharding)."""
+    """The optimizer's state, or a warning that it starts fresh (none saved, or saved with another
+    sharding); none under no_load_optim, which asked for that."""
     if optimizer_state is None:
-        warnings.warn(f"load_state: {ckpt} was saved with use_distributed_optimizer={meta['distributed_optimizer']} "
-                      f"over {meta['dp']} data-parallel ranks; its optimizer state does not fit this run's and "
-                      "starts fresh (the weights are loaded)")
+        if not state.load_optimizer:
+            pass
+        elif not meta.get("optimizer", True):
+            warnings.warn(f"load_state: {ckpt} holds no optimizer state (it was saved with no_save_optim=True); "
+                          "the optimizer starts fresh (the weights are loaded)")
+        else:
+            warnings.warn(f"load_state: {ckpt} was saved with use_distributed_optimizer={meta['distributed_optimizer']} "
+                          f"over {meta['dp']} data-parallel ranks; its optimizer state does not fit this run's and "
+                          "starts fresh (the weights are loaded)")
+        state.optimizer_follows_weights()
         return
     try:
         state.optimizer.load_state_dict(optimizer_state)

@@ -32,7 +32,8 @@ def load_resharded(ckpt: str, meta: dict, state: TrainingState) -> dict:
         saved = {}
         if meta.get("model_only"):
             return saved
-        if meta.get("engine") == "cpu" and state.torch_optimizer and meta["pp"] == 1:
+        wanted = meta.get("optimizer", True) and state.load_optimizer
+        if wanted and meta.get("engine") == "cpu" and state.torch_optimizer and meta["pp"] == 1:
             saved["optimizer"] = _resharded_optimizer_state(ckpt, meta, state)
         return read_rest(ckpt, meta, state, saved)
 
@@ -43,9 +44,16 @@ def load_resharded(ckpt: str, meta: dict, state: TrainingState) -> dict:
         if "optimizer" in saved:
             state.optimizer.load_state_dict(saved["optimizer"])
         else:
-            warnings.warn(f"load_state: {ckpt} was saved with {layout}; the weights were resharded to this run's "
-                          "layout, the optimizer state could not be and starts fresh")
+            if not meta.get("optimizer", True) and state.load_optimizer:
+                warnings.warn(f"load_state: {ckpt} holds no optimizer state (it was saved with no_save_optim=True); "
+                              "the optimizer starts fresh (the weights are loaded)")
+            elif state.load_optimizer:
+                warnings.warn(f"load_state: {ckpt} was saved with {layout}; the weights were resharded to this run's "
+                              "layout, the optimizer state could not be and starts fresh")
+            state.optimizer_follows_weights()
         state.restore(saved, ckpt, meta["world_size"])
+    else:
+        state.optimizer_follows_weights()
     state.set_iteration(meta["iteration"])
     dist.barrier()
     return meta

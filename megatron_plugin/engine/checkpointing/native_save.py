@@ -114,7 +114,7 @@ def _write_files(staging: str, state: TrainingState) -> dict:
     grid = state.layout
     name = shard_name(grid.tp_rank, grid.pp_rank)
     written = []
-    if state.distributed_optimizer:
+    if state.distributed_optimizer and state.save_optimizer:
         # mcore gathers the DP-sharded optimizer state onto DP rank 0 of each model-parallel rank
         path = os.path.join(staging, optimizer_file(name, "param_state.pt"))
         state.optimizer.save_parameter_state(path)
@@ -124,6 +124,7 @@ def _write_files(staging: str, state: TrainingState) -> dict:
         tensors = {k: v.detach().contiguous().cpu() for k, v in state.named_tensors()}
         save_file(tensors, model_file(staging, grid.tp_rank, grid.pp_rank))
         written.append(model_file(staging, grid.tp_rank, grid.pp_rank))
+    if grid.dp_rank == 0 and state.save_optimizer:
         written.append(os.path.join(staging, optimizer_file(name, "dp000.pt")))
         torch.save(state.optimizer.state_dict(), written[-1])
         if state.torch_optimizer:
@@ -150,7 +151,8 @@ def _commit(output_dir: str, tag: str, state: TrainingState, files: dict) -> Non
     write_meta(os.path.join(staging, META), dict(checkpoint_meta(
         iteration=state.iteration, tp=grid.tp_size, pp=grid.pp_size, dp=grid.dp_size, vpp=state.vpp,
         distributed_optimizer=state.distributed_optimizer, model_only=False, **state.model_fields(),
-    ), files=dict(sorted(files.items())), engine="cpu" if state.torch_optimizer else "mcore"))
+    ), files=dict(sorted(files.items())), engine="cpu" if state.torch_optimizer else "mcore",
+       optimizer=state.save_optimizer))
     os.replace(staging, final)
     previous = read_latest(output_dir)
     point_latest(output_dir, tag)

@@ -34,6 +34,9 @@ class TrainingState:
     device: torch.device
     layout: Layout  # this process's place in the TP x PP x DP grid
     custom_objects: Sequence[Any] = ()
+    save_optimizer: bool = True  # False under the plugin's no_save_optim: no optimizer state is written
+    load_optimizer: bool = True  # False under no_load_optim: weights, scheduler, RNG and iteration only
+    plugin: Any = None  # the run's resolved plugin, read only: the settings a Megatron-LM checkpoint records
 
     @classmethod
     def of_engine(cls, engine, custom_objects=(), distributed_optimizer: Optional[bool] = None) -> "TrainingState":
@@ -46,6 +49,8 @@ class TrainingState:
             make_vocab_size_divisible_by=engine.plugin.make_vocab_size_divisible_by,
             distributed_optimizer=distributed_optimizer, device=engine.device,
             layout=current_layout(engine.device), custom_objects=tuple(custom_objects),
+            save_optimizer=not getattr(engine.plugin, "no_save_optim", False),
+            load_optimizer=not getattr(engine.plugin, "no_load_optim", False), plugin=engine.plugin,
         )
 
     @property
@@ -97,7 +102,10 @@ class TrainingState:
         return state
 
     def set_rng_state(self, state: dict) -> None:
-        self.rng.load_state_dict(state["model"])
+        """`state` as `rng_state` gives it; without "model" (a checkpoint Megatron-LM wrote) the model's
+        own stream keeps its state."""
+        if "model" in state:
+            self.rng.load_state_dict(state["model"])
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
         torch.set_rng_state(state["torch"])
@@ -105,11 +113,25 @@ class TrainingState:
             torch.cuda.set_rng_state(state["cuda"])
             tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
 
+    def load_scheduler(self, saved: dict) -> None:
+        """megatron-core's scheduler loads by stepping `num_steps` on from where it is, right for a run that
+        has not stepped yet: from 0 here, so a load mid-run lands on the saved step too."""
+        if hasattr(self.scheduler, "num_steps"):
+            self.scheduler.num_steps = 0
+        self.scheduler.load_state_dict(saved)
+
+    def optimizer_follows_weights(self) -> None:
+        """After weights were loaded without the optimizer state: megatron-core's mixed-precision optimizer
+        keeps fp32 main copies of the weights, which its next step would copy back over the loaded ones, so
+        they are refreshed from the model (Megatron-LM does the same). A torch optimizer holds no copy."""
+        if not self.torch_optimizer and hasattr(self.optimizer, "reload_model_params"):
+            self.optimizer.reload_model_params()
+
     def restore(self, saved: dict, ckpt: str, saved_world_size: int) -> None:
         """After the model and optimizer: the scheduler, RNG states (`saved["rng"]`; absent or None: the
         run's random streams stay as seeded, with a warning) and registered objects, as a format read them."""
         if self.scheduler is not None:
-            self.scheduler.load_state_dict(saved["scheduler"])
+            self.load_scheduler(saved["scheduler"])
         if saved.get("rng") is not None:
             self.set_rng_state(saved["rng"])
         else:
