@@ -1,24 +1,40 @@
-r"""Convert and reshape checkpoints between HF (safetensors / .bin) and Megatron (any TP/PP), tensor by
-tensor, as a command and as functions.
+r"""Convert and reshape checkpoints between HF (safetensors / .bin) and Megatron (Megatron-LM's formats or
+this package's), at any TP/PP, tensor by tensor, as a command and as functions.
 
-    # HF -> Megatron, laid out for TP=2, PP=2 (accelerator.load_state reads it directly)
+Megatron formats (each one read and written):
+- `torch_dist` (default): Megatron-LM's layout (`latest_checkpointed_iteration.txt`, `iter_N/` or `release/`)
+  with megatron-core's dist_checkpointing files; layout-free, any TP/PP loads it.
+- `torch`: Megatron-LM's legacy layout, `iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt` per (TP, PP) rank.
+- `megatron_plugin`: this package's own, safetensors per (TP, PP) rank.
+
+Megatron-LM, NeMo, Megatron-Bridge and verl read the first two; `accelerator.load_state` reads all three.
+
+Examples:
+    # HF -> Megatron-LM torch_dist, for TP=2, PP=2 (accelerator.load_state and Megatron-LM read it)
     python -m checkpoint_utils.convert --load_path gpt/hf --save_path gpt/megatron \
         --target_tensor_model_parallel_size 2 --target_pipeline_model_parallel_size 2
-    # Megatron (any layout, e.g. from accelerator.save_state) -> HF sharded safetensors
+    # HF -> Megatron-LM's legacy per-rank files
+    python -m checkpoint_utils.convert --load_path gpt/hf --save_path gpt/megatron_legacy --checkpoint_format torch \
+        --target_tensor_model_parallel_size 2 --target_params_dtype bf16 --print-checkpoint-structure
+    # Megatron (any format and layout, e.g. from accelerator.save_state) -> HF sharded safetensors
     python -m checkpoint_utils.convert --convert_checkpoint_from_megatron_to_transformers \
         --load_path gpt/megatron --save_path gpt/hf2 --max_shard_size 200MB --tokenizer_name gpt/tokenizer
-    # Megatron -> Megatron with another TP/PP (give a Megatron checkpoint as --load_path)
+    # a checkpoint Megatron-LM wrote (it does not name the HF model): give the HF config folder
+    python -m checkpoint_utils.convert --convert_checkpoint_from_megatron_to_transformers \
+        --load_path gpt/iter_0005000 --save_path gpt/hf3 --hf_config gpt/hf
+    # Megatron -> Megatron with another TP/PP or format (give a Megatron checkpoint as --load_path)
     python -m checkpoint_utils.convert --load_path gpt/megatron --save_path gpt/megatron_tp1_pp2 \
-        --target_tensor_model_parallel_size 1 --target_pipeline_model_parallel_size 2
+        --target_tensor_model_parallel_size 1 --target_pipeline_model_parallel_size 2 --checkpoint_format torch
 
-Peak host memory stays near one output shard plus one full tensor: HF safetensors are memory-mapped and
-read per tensor, and each Megatron (TP, PP) file is built and written on its own.
+Peak host memory stays near one output shard plus one full tensor for the per-rank formats: HF
+safetensors are memory-mapped and read per tensor, and each Megatron (TP, PP) file is built and written
+on its own. A torch_dist checkpoint is written from the whole model in one process (as Megatron-LM's
+converters do) and read one key (one weight of every layer) at a time.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Optional
@@ -31,9 +47,10 @@ DTYPE_NAMES = ("fp32", "fp16", "bf16")
 
 
 def is_megatron_checkpoint(path: str) -> bool:
-    from megatron_plugin.engine.checkpointing.layout import is_checkpoint_dir
+    """Whether `path` holds a Megatron checkpoint of any of the three formats."""
+    from .megatron_lm_layout import is_megatron_checkpoint as looks_megatron
 
-    return is_checkpoint_dir(path)
+    return looks_megatron(path)
 
 
 def _dtype(name: Optional[str]):
@@ -48,31 +65,91 @@ def _dtype(name: Optional[str]):
 
 def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1, params_dtype: str = "fp32",
                    make_vocab_size_divisible_by: int = 128, use_distributed_optimizer: bool = False,
-                   overwrite: bool = False, print_structure: bool = False, progress: bool = True) -> str:
-    """Write `reader`'s model (HFReader or MegatronReader) as a model-only Megatron checkpoint. A
-    reshaped Megatron checkpoint keeps its iteration."""
-    from safetensors.torch import save_file
-    from tqdm.auto import tqdm
-
-    from megatron_plugin.engine.checkpointing.layout import checkpoint_meta, model_file, point_latest, write_meta
-    from megatron_plugin.fs import file_checksum
-    from megatron_plugin.models.convert import model_dims
+                   checkpoint_format: str = "torch_dist", overwrite: bool = False, print_structure: bool = False,
+                   progress: bool = True, release: bool = True) -> str:
+    """Write `reader`'s model (an HF folder's or a Megatron checkpoint's) as a model-only Megatron checkpoint
+    in `checkpoint_format`, laid out (and its vocabulary padded) for TP x PP x DP ranks. A reshaped
+    Megatron checkpoint keeps its iteration. An HF model is written as Megatron-LM's `release/` checkpoint,
+    or with `release=False` as `iter_0000000/` with a tracker holding 0 (accelerate's example asserts that)."""
     from megatron_plugin.models import check_model
-    from megatron_plugin.models.mapping import StagePlan, hf_to_mcore
 
-    from megatron_plugin.engine.hf_io import staged_output
+    from .megatron_lm_layout import FORMATS
 
+    if checkpoint_format not in FORMATS:
+        raise MegatronPluginConfigError("--checkpoint_format", checkpoint_format, f"use one of {list(FORMATS)}")
     cfg, family = reader.config, reader.family
     plugin = MegatronLMPlugin(tp_degree=tp, pp_degree=pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     plugin.validate(world_size=tp * pp * dp)
     check_model(plugin, cfg)
-    dtype = _dtype(params_dtype)
-    variant = reader.variant
-    rules = family.table(cfg, variant)
-    num_layers = family.num_layers(cfg)
-    missing = sorted(family.mapped_hf_names(cfg, variant) - set(reader.names))
+    _dtype(params_dtype)
+    missing = sorted(family.mapped_hf_names(cfg, reader.variant) - set(reader.names))
     if missing:
         raise MegatronPluginConfigError("--load_path", getattr(reader, "path", reader), f"lacks tensors {missing[:5]}")
+    settings = dict(tp=tp, pp=pp, dp=dp, params_dtype=params_dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                    use_distributed_optimizer=use_distributed_optimizer, overwrite=overwrite,
+                    print_structure=print_structure, progress=progress)
+    with _process_group_for(reader, checkpoint_format):
+        if checkpoint_format == "megatron_plugin":
+            return _write_native(reader, save_path, **settings)
+        return _write_megatron_lm(reader, save_path, checkpoint_format, release=release, **settings)
+
+
+def _write_megatron_lm(reader, save_path: str, checkpoint_format: str, *, tp, pp, dp, params_dtype,
+                       make_vocab_size_divisible_by, use_distributed_optimizer, overwrite, print_structure,
+                       progress, release: bool = True) -> str:
+    """Megatron-LM's layout: the tracker file and one iteration's folder, torch_dist or legacy."""
+    from tqdm.auto import tqdm
+
+    from megatron_plugin.engine.hf_io import staged_output
+    from megatron_plugin.models.convert import model_dims
+
+    from . import legacy, torch_dist
+    from .megatron_lm_args import megatron_lm_args, plugin_entry
+    from .megatron_lm_layout import seal, tag_for, write_tracker
+
+    cfg, family, variant = reader.config, reader.family, reader.variant
+    iteration = getattr(reader, "meta", {}).get("iteration", 0)
+    args = megatron_lm_args(family, variant, cfg, tp=tp, pp=pp, dp=dp, params_dtype=params_dtype,
+                            make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                            use_distributed_optimizer=use_distributed_optimizer, iteration=iteration,
+                            ckpt_format=checkpoint_format)
+    entry = plugin_entry(family, variant, cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by, tp=tp, pp=pp,
+                         dp=dp, distributed_optimizer=use_distributed_optimizer)
+    dtype = _dtype(params_dtype)
+    with staged_output(save_path, overwrite) as out:
+        ckpt = os.path.join(out, tag_for(iteration, release))
+        if checkpoint_format == "torch_dist":
+            torch_dist.write(reader, ckpt, tp=tp, params_dtype=dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
+                             iteration=iteration, args=args, entry=entry, distributed_optimizer=use_distributed_optimizer,
+                             print_structure=print_structure)
+        else:
+            bar = tqdm(total=tp * pp, desc="megatron shards", disable=not progress)
+            legacy.write(reader, ckpt, tp=tp, pp=pp, dims=model_dims(family, cfg, make_vocab_size_divisible_by, tp),
+                         params_dtype=dtype, iteration=iteration, args=args, entry=entry,
+                         on_file=(lambda f, t: _print_file(f, t, os.path.relpath(f, out))) if print_structure else None,
+                         progress=lambda: bar.update(1))
+            bar.close()
+        seal(ckpt)
+        write_tracker(out, iteration, release)
+    return save_path
+
+
+def _write_native(reader, save_path: str, *, tp, pp, dp, params_dtype, make_vocab_size_divisible_by,
+                  use_distributed_optimizer, overwrite, print_structure, progress) -> str:
+    """This package's own format (`megatron_plugin/1`): safetensors per (TP, PP) rank and meta.json."""
+    from safetensors.torch import save_file
+    from tqdm.auto import tqdm
+
+    from megatron_plugin.engine.checkpointing.layout import checkpoint_meta, model_file, point_latest, write_meta
+    from megatron_plugin.engine.hf_io import staged_output
+    from megatron_plugin.fs import file_checksum
+    from megatron_plugin.models.convert import model_dims
+    from megatron_plugin.models.mapping import StagePlan, hf_to_mcore
+
+    cfg, family, variant = reader.config, reader.family, reader.variant
+    dtype = _dtype(params_dtype)
+    rules = family.table(cfg, variant)
+    num_layers = family.num_layers(cfg)
     dims = model_dims(family, cfg, make_vocab_size_divisible_by, tp)
     iteration = getattr(reader, "meta", {}).get("iteration", 0)
     tag = f"iter_{iteration:07d}"
@@ -101,7 +178,7 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
     return save_path
 
 
-def write_hf(reader: MegatronReader, save_path: str, max_shard_size: str = "10GB", params_dtype: Optional[str] = None,
+def write_hf(reader, save_path: str, max_shard_size: str = "10GB", params_dtype: Optional[str] = None,
              tokenizer_name: Optional[str] = None, overwrite: bool = False, print_structure: bool = False,
              progress: bool = True) -> str:
     """Write a Megatron checkpoint as an HF folder: sharded safetensors, config, tokenizer."""
@@ -116,7 +193,7 @@ def write_hf(reader: MegatronReader, save_path: str, max_shard_size: str = "10GB
     strip = len(family.prefix(variant))
     if tokenizer_name is not None and not os.path.isdir(tokenizer_name):
         raise MegatronPluginConfigError("--tokenizer_name", tokenizer_name, "pass a local tokenizer folder")
-    with staged_output(save_path, overwrite) as out:
+    with staged_output(save_path, overwrite) as out, _process_group_for(reader):
         writer = HFShardWriter(out, limit, on_shard=_print_file if print_structure else None)
         for name in tqdm(reader.names, desc="HF tensors", disable=not progress):
             x = reader.get(name)
@@ -131,34 +208,68 @@ def write_hf(reader: MegatronReader, save_path: str, max_shard_size: str = "10GB
     return save_path
 
 
-def _print_file(file, tensors):
-    print(f"== {os.path.basename(file)}")
+def _print_file(file, tensors, label=None):
+    print(f"== {label or os.path.basename(file)}")
     for name, x in tensors.items():
         print(f"   {name}: {tuple(x.shape)} {str(x.dtype).replace('torch.', '')}")
 
 
-def convert_hf_to_megatron(load_path: str, save_path: str, **kwargs) -> str:
+def _open_megatron(load_path: str, hf_config: Optional[str] = None):
+    """A reader of the Megatron checkpoint at `load_path`, whichever its format (torch_dist readers need
+    `process.one_process` around their use)."""
+    from megatron_plugin.engine.hf_io import MegatronReader
+
+    from .megatron_lm_layout import locate
+
+    fmt, ckpt = locate(load_path)
+    if fmt == "megatron_plugin":
+        return MegatronReader(ckpt)
+    if fmt == "torch_dist":
+        from .torch_dist import TorchDistReader
+
+        return TorchDistReader(ckpt, hf_config)
+    from .legacy import LegacyReader
+
+    return LegacyReader(ckpt, hf_config)
+
+
+def _process_group_for(reader, checkpoint_format: Optional[str] = None):
+    """megatron-core's dist_checkpointing (torch_dist in or out) wants a process group; the other formats
+    are plain files. Entered after every check of the input, so bad input starts nothing."""
+    from contextlib import nullcontext
+
+    from .torch_dist import TorchDistReader
+
+    if isinstance(reader, TorchDistReader) or checkpoint_format == "torch_dist":
+        from .process import one_process
+
+        return one_process()
+    return nullcontext()
+
+
+def convert_hf_to_megatron(load_path: str, save_path: str, checkpoint_format: str = "torch_dist", **kwargs) -> str:
+    """HF folder -> Megatron checkpoint (`checkpoint_format`: torch_dist, torch or megatron_plugin)."""
     from megatron_plugin.engine.hf_io import HFReader
 
-    return write_megatron(HFReader(load_path), save_path, **kwargs)
+    return write_megatron(HFReader(load_path), save_path, checkpoint_format=checkpoint_format, **kwargs)
 
 
-def reshape_megatron(load_path: str, save_path: str, **kwargs) -> str:
-    from megatron_plugin.engine.hf_io import MegatronReader
+def reshape_megatron(load_path: str, save_path: str, checkpoint_format: str = "torch_dist",
+                     hf_config: Optional[str] = None, **kwargs) -> str:
+    """Megatron checkpoint (any format and layout) -> Megatron checkpoint for another layout or format."""
+    return write_megatron(_open_megatron(load_path, hf_config), save_path, checkpoint_format=checkpoint_format, **kwargs)
 
-    return write_megatron(MegatronReader(load_path), save_path, **kwargs)
 
-
-def convert_megatron_to_hf(load_path: str, save_path: str, **kwargs) -> str:
-    from megatron_plugin.engine.hf_io import MegatronReader
-
-    return write_hf(MegatronReader(load_path), save_path, **kwargs)
+def convert_megatron_to_hf(load_path: str, save_path: str, hf_config: Optional[str] = None, **kwargs) -> str:
+    """Megatron checkpoint (any format and layout) -> HF folder, vocabulary padding removed. `hf_config`:
+    a local HF config folder, for checkpoints that do not name their model (Megatron-LM's own)."""
+    return write_hf(_open_megatron(load_path, hf_config), save_path, **kwargs)
 
 
 def build_parser():
     intro, _, examples = __doc__.partition("\n\n")
     p = argparse.ArgumentParser(prog="megatron-convert-checkpoint", description=" ".join(intro.split()),
-                                epilog="examples:\n" + examples.split("\n\nPeak")[0],
+                                epilog=examples.split("\n\nPeak")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--convert_checkpoint_from_megatron_to_transformers", action="store_true",
                    help="Megatron -> HF; without it: HF -> Megatron, or Megatron -> Megatron when --load_path is one")
@@ -172,7 +283,16 @@ def build_parser():
     p.add_argument("--use_distributed_optimizer", action="store_true")
     p.add_argument("--max_shard_size", default="10GB")
     p.add_argument("--tokenizer_name", default=None, help="a local tokenizer folder to copy into the HF output")
-    p.add_argument("--print-checkpoint-structure", dest="print_checkpoint_structure", action="store_true")
+    p.add_argument("--checkpoint_format", default="torch_dist", choices=("torch_dist", "torch", "megatron_plugin"),
+                   help="what HF -> Megatron and reshapes write: Megatron-LM's torch_dist (default) or legacy "
+                   "torch, or this package's megatron_plugin; Megatron input is recognized whatever its format")
+    p.add_argument("--hf_config", default=None,
+                   help="a local HF config folder: the model of a Megatron-LM checkpoint that does not name it")
+    p.add_argument("--print-checkpoint-structure", "--print_checkpoint_structure", dest="print_checkpoint_structure",
+                   action="store_true", help="print every tensor written: name, shape, dtype")
+    p.add_argument("--release_as_iteration_0", action="store_true",
+                   help="write an HF model as iter_0000000/ with a tracker holding 0 instead of Megatron-LM's release/ "
+                        "(what accelerate's example asserts for --initial_megatron_lm_checkpoint)")
     p.add_argument("--overwrite", action="store_true", help="replace a non-empty --save_path")
     p.add_argument("--no_progress", action="store_true")
     return p
@@ -183,15 +303,18 @@ def main(argv=None) -> int:
     common = dict(overwrite=a.overwrite, print_structure=a.print_checkpoint_structure, progress=not a.no_progress)
     try:
         if a.convert_checkpoint_from_megatron_to_transformers:
-            convert_megatron_to_hf(a.load_path, a.save_path, max_shard_size=a.max_shard_size,
+            convert_megatron_to_hf(a.load_path, a.save_path, hf_config=a.hf_config, max_shard_size=a.max_shard_size,
                                    params_dtype=a.target_params_dtype, tokenizer_name=a.tokenizer_name, **common)
         else:
             kwargs = dict(tp=a.target_tensor_model_parallel_size, pp=a.target_pipeline_model_parallel_size,
                           dp=a.target_data_parallel_size, params_dtype=a.target_params_dtype or "fp32",
                           make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
-                          use_distributed_optimizer=a.use_distributed_optimizer, **common)
+                          use_distributed_optimizer=a.use_distributed_optimizer,
+                          checkpoint_format=a.checkpoint_format, **common)
+            if a.release_as_iteration_0:
+                kwargs["release"] = False
             if is_megatron_checkpoint(a.load_path):
-                reshape_megatron(a.load_path, a.save_path, **kwargs)
+                reshape_megatron(a.load_path, a.save_path, hf_config=a.hf_config, **kwargs)
             else:
                 convert_hf_to_megatron(a.load_path, a.save_path, **kwargs)
     except MegatronPluginConfigError as err:

@@ -7,9 +7,18 @@ with a byte-level BPE tokenizer built from it, so it needs no network.
 
     accelerate launch --config_file examples/configs/cpu_tp2.yaml examples/megatron_lm_gpt_pretraining.py \
         --output_dir outputs/demo
+
+Fine-tuning from a Megatron-LM checkpoint (as accelerate's example does with `--megatron_lm_checkpoint`):
+the model is built on the meta device from the HF config, and `accelerator.load_state` fills it after
+`prepare`. Make one from an HF model with `python -m checkpoint_utils.convert` (torch_dist by default):
+
+    python -m checkpoint_utils.convert --load_path gpt/hf --save_path gpt/megatron --target_tensor_model_parallel_size 2
+    accelerate launch --config_file examples/configs/cpu_tp2.yaml examples/megatron_lm_gpt_pretraining.py \
+        --model_name_or_path gpt/hf --megatron_lm_checkpoint gpt/megatron --tokenizer_name gpt/tokenizer
 """
 
 import argparse
+import contextlib
 import logging
 import math
 import os
@@ -19,11 +28,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import datasets  # noqa: E402
 import torch  # noqa: E402
+from accelerate import init_empty_weights  # noqa: E402
 from accelerate.logging import get_logger  # noqa: E402
 from accelerate.utils import DistributedType, set_seed  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 from tqdm.auto import tqdm  # noqa: E402
 from transformers import (  # noqa: E402
+    AutoConfig,
     AutoModelForCausalLM,
     GPT2Config,
     GPT2LMHeadModel,
@@ -32,7 +43,7 @@ from transformers import (  # noqa: E402
     get_scheduler,
 )
 
-from megatron_plugin import Accelerator, MegatronLMDummyScheduler  # noqa: E402
+from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronPluginConfigError  # noqa: E402
 from megatron_plugin.fs import check_writable  # noqa: E402
 
 logger = get_logger(__name__)
@@ -63,6 +74,9 @@ def parse_args(argv=None):
     p.add_argument("--output_dir", default=None)
     p.add_argument("--checkpointing_steps", default=None, help="'epoch' or a number of steps")
     p.add_argument("--resume_from_checkpoint", default=None)
+    p.add_argument("--megatron_lm_checkpoint", default=None,
+                   help="a Megatron-LM checkpoint (torch_dist or legacy torch) to fine-tune from; the model's HF "
+                   "config comes from --model_name_or_path")
     p.add_argument("--stop_after_steps", type=int, default=None, help="end the run early (to test resuming)")
     p.add_argument("--log_every", type=int, default=50, help="print the loss every N steps (0: never)")
     p.add_argument("--seed", type=int, default=42)
@@ -81,33 +95,9 @@ def build_tokenizer(train_file, vocab_size, save_dir):
     return tok
 
 
-def main(argv=None):
-    args = parse_args(argv)
-    accelerator_log_kwargs = {}
-    if args.with_tracking:
-        accelerator_log_kwargs["log_with"] = args.report_to
-        accelerator_log_kwargs["project_dir"] = args.output_dir
-    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, **accelerator_log_kwargs)
-    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
-    logger.info(accelerator.state, main_process_only=False)
-    if not accelerator.is_local_main_process:  # one rank's progress bars are enough
-        datasets.utils.logging.disable_progress_bar()
-        datasets.utils.logging.set_verbosity_error()
-    set_seed(args.seed)
-    if args.output_dir:
-        check_writable(args.output_dir, "--output_dir")  # fail now, not after training
-        if accelerator.is_main_process:
-            os.makedirs(args.output_dir, exist_ok=True)
-    accelerator.wait_for_everyone()
-
-    # Tokenizer: a local one, or one built from the training text (once, then read by every rank).
-    tok_dir = args.tokenizer_name or os.path.join(args.output_dir or "outputs", "tokenizer")
-    with accelerator.main_process_first():
-        if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
-            tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
-        else:
-            tokenizer = build_tokenizer(args.train_file, args.vocab_size, tok_dir)
-
+def lm_datasets(args, tokenizer, accelerator=None):
+    """(train, eval) datasets of `block_size` token blocks from the text file, split as run_clm splits."""
+    first = accelerator.main_process_first if accelerator is not None else contextlib.nullcontext
     raw = datasets.load_dataset("text", data_files={"train": args.train_file})
     split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
     block_size = args.block_size
@@ -123,12 +113,55 @@ def main(argv=None):
         result["labels"] = result["input_ids"].copy()
         return result
 
-    with accelerator.main_process_first():
+    with first():
         tokenized = split.map(tokenize, batched=True, remove_columns=["text"])
         lm = tokenized.map(group_texts, batched=True)
-    train_dataset, eval_dataset = lm["train"], lm["test"]
+    return lm["train"], lm["test"]
 
-    if args.model_name_or_path:
+
+def main(argv=None):
+    args = parse_args(argv)
+    if args.megatron_lm_checkpoint and not args.model_name_or_path:
+        raise MegatronPluginConfigError("--megatron_lm_checkpoint", args.megatron_lm_checkpoint,
+                                        "pass --model_name_or_path too: the HF folder whose config the checkpoint holds")
+    accelerator_log_kwargs = {}
+    if args.with_tracking:
+        accelerator_log_kwargs["log_with"] = args.report_to
+        accelerator_log_kwargs["project_dir"] = args.output_dir
+    accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps, **accelerator_log_kwargs)
+    logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
+    logger.info(accelerator.state, main_process_only=False)
+    if not accelerator.is_local_main_process:  # one rank's progress bars are enough
+        datasets.utils.logging.disable_progress_bar()
+        datasets.utils.logging.set_verbosity_error()
+    if args.megatron_lm_checkpoint and accelerator.distributed_type != DistributedType.MEGATRON_LM:
+        raise MegatronPluginConfigError("--megatron_lm_checkpoint", args.megatron_lm_checkpoint,
+                                        "launch with a Megatron-LM config, e.g. --config_file examples/configs/cpu_tp2.yaml")
+    set_seed(args.seed)
+    if args.output_dir:
+        check_writable(args.output_dir, "--output_dir")  # fail now, not after training
+        if accelerator.is_main_process:
+            os.makedirs(args.output_dir, exist_ok=True)
+    accelerator.wait_for_everyone()
+
+    # Tokenizer: a local one, or one built from the training text (once, then read by every rank).
+    tok_dir = args.tokenizer_name or os.path.join(args.output_dir or "outputs", "tokenizer")
+    with accelerator.main_process_first():
+        if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+            tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
+        else:
+            tokenizer = build_tokenizer(args.train_file, args.vocab_size, tok_dir)
+
+    train_dataset, eval_dataset = lm_datasets(args, tokenizer, accelerator)
+    block_size = args.block_size
+
+    if args.megatron_lm_checkpoint:
+        # accelerate's flow: the HF model without weights (meta device); prepare() builds the Megatron model
+        # (from the folder's weights, when it has any) and load_state() gives it the checkpoint's
+        config = AutoConfig.from_pretrained(args.model_name_or_path)
+        with init_empty_weights():
+            model = AutoModelForCausalLM.from_config(config)
+    elif args.model_name_or_path:
         model = AutoModelForCausalLM.from_pretrained(args.model_name_or_path)
     else:
         config = GPT2Config(
@@ -177,6 +210,9 @@ def main(argv=None):
     model, optimizer, train_dataloader, eval_dataloader, lr_scheduler = accelerator.prepare(
         model, optimizer, train_dataloader, eval_dataloader, lr_scheduler
     )
+    if args.megatron_lm_checkpoint:
+        accelerator.load_state(args.megatron_lm_checkpoint)
+        accelerator.print(f"weights loaded from {args.megatron_lm_checkpoint}")
     num_update_steps_per_epoch = len(train_dataloader) // args.gradient_accumulation_steps
     args.num_train_epochs = math.ceil(args.max_train_steps / num_update_steps_per_epoch)
 

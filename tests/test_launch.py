@@ -29,7 +29,7 @@ def test_example_trains(config, tokenizer_dir, tmp_path):
     assert len(losses) == 80
     assert sum(losses[-10:]) / 10 < sum(losses[:10]) / 10 - 0.5, losses
     assert "perplexity" in out
-    assert os.path.exists(os.path.join(tmp_path, "final", "latest"))
+    assert os.path.exists(os.path.join(tmp_path, "final", "latest_checkpointed_iteration.txt"))
 
 
 def test_resume_is_bit_identical(tokenizer_dir, tmp_path):
@@ -117,6 +117,47 @@ def test_questionnaire_flags_and_gpu_answers(tmp_path):
     assert yaml.safe_load(tp_compile.read_text())["dynamo_config"] == {"dynamo_backend": "INDUCTOR"}
 
 
+def test_questionnaire_takes_the_other_megatron_lm_keys_as_flags(tmp_path, capsys):
+    """Every other megatron_lm_* key of accelerate's config: a flag of the plugin field's name, written to the YAML
+    under accelerate's key (which `accelerate launch` turns into MEGATRON_LM_*), checked as the script checks it."""
+    import yaml
+
+    from megatron_plugin.cli import EXTRA_KEYS, main, plugin_from_yaml
+    from megatron_plugin.launch_config import known_megatron_keys
+
+    cfg = tmp_path / "more.yaml"
+    assert main(["config", "--config_file", str(cfg), "--non_interactive", "--cpu", "--num_processes", "2",
+                 "--tp", "2", "--attention_dropout", "0.1", "--no_save_optim", "yes", "--recompute_method", "block",
+                 "--attention_backend", "auto", "--expert_tensor_parallel_size", "2",
+                 "--calculate_per_token_loss", "true"]) == 0
+    data = yaml.safe_load(cfg.read_text())
+    got = data["megatron_lm_config"]
+    assert {k: got[k] for k in ("megatron_lm_attention_dropout", "megatron_lm_no_save_optim", "megatron_lm_recompute_method",
+                                "megatron_lm_attention_backend", "megatron_lm_expert_tensor_parallel_size",
+                                "megatron_lm_calculate_per_token_loss")} == {
+        "megatron_lm_attention_dropout": 0.1, "megatron_lm_no_save_optim": True, "megatron_lm_recompute_method": "block",
+        "megatron_lm_attention_backend": "auto", "megatron_lm_expert_tensor_parallel_size": 2,
+        "megatron_lm_calculate_per_token_loss": True}
+    assert set(got) <= known_megatron_keys()  # accelerate launch takes every key written
+    assert {key for key, _ in EXTRA_KEYS.values()} | {
+        "megatron_lm_tp_degree", "megatron_lm_pp_degree", "megatron_lm_num_micro_batches", "megatron_lm_gradient_clipping",
+        "megatron_lm_sequence_parallelism", "megatron_lm_recompute_activations",
+        "megatron_lm_use_distributed_optimizer"} == known_megatron_keys()  # and every key accelerate knows is offered
+    plugin = plugin_from_yaml(data, str(cfg))  # what the launched processes will build
+    assert (plugin.attention_dropout, plugin.no_save_optim, plugin.recompute_method, plugin.attention_backend,
+            plugin.calculate_per_token_loss) == (0.1, True, "block", "auto", True)
+    # refused values are refused under the flag's name, and nothing is written
+    for flags, setting in ((["--context_parallel_size", "2", "--num_processes", "2"], "--context_parallel_size"),
+                           (["--expert_model_parallel_size", "2"], "--expert_model_parallel_size"),
+                           (["--use_custom_fsdp", "true"], "--use_custom_fsdp"),
+                           (["--hidden_dropout", "lots"], "--hidden_dropout")):
+        bad = tmp_path / f"{setting[2:]}.yaml"
+        capsys.readouterr()
+        assert main(["config", "--config_file", str(bad), "--non_interactive", "--cpu", *flags]) == 2, flags
+        assert capsys.readouterr().err.startswith(f"error: {setting}="), flags
+        assert not bad.exists()
+
+
 # A config `accelerate launch` cannot take gave its raw traceback (a YAML error, a ValueError on an unknown key or
 # value, an AttributeError on a bare `no`), or was ignored without a word; `megatron-plugin launch` refuses it
 # first, naming the file, the setting and the fix. name: (file text, file suffix, what the error must hold)
@@ -149,6 +190,15 @@ BAD_CONFIGS = {
     "cuda_only_on_cpu": (CPU + "num_processes: 2\nmegatron_lm_config:\n  megatron_lm_pp_degree: 2\n", ".yaml",
                          ["megatron_lm_config.megatron_lm_pp_degree in ", "need CUDA", "pp_degree=1"]),
     "fp16_on_cpu": (CPU + "num_processes: 1\nmixed_precision: fp16\n", ".yaml", ["mixed_precision in ", "fp16 needs CUDA"]),
+    # the keys accelerate's integration added, checked like the others
+    "context_parallel": (CPU + "num_processes: 2\nmegatron_lm_config:\n  megatron_lm_context_parallel_size: 2\n", ".yaml",
+                         ["megatron_lm_config.megatron_lm_context_parallel_size in ", "=2", "issue 27"]),
+    "custom_fsdp": (CPU + "num_processes: 1\nmegatron_lm_config:\n  megatron_lm_use_custom_fsdp: true\n", ".yaml",
+                    ["megatron_lm_config.megatron_lm_use_custom_fsdp in ", "use_distributed_optimizer=True"]),
+    "dropout": (CPU + "num_processes: 1\nmegatron_lm_config:\n  megatron_lm_attention_dropout: 1.5\n", ".yaml",
+                ["megatron_lm_config.megatron_lm_attention_dropout in ", "[0, 1)"]),
+    "recompute_method": (CPU + "num_processes: 1\nmegatron_lm_config:\n  megatron_lm_recompute_method: blocks\n", ".yaml",
+                         ["megatron_lm_config.megatron_lm_recompute_method in ", "'blocks'", "uniform"]),
 }
 
 
@@ -195,7 +245,7 @@ def test_llama_sft_example_learns(tmp_path):
     evals = [float(x) for x in re.findall(r"eval response loss ([\d.]+)", out)]
     assert len(evals) == 2 and evals[1] < evals[0] < 1.0, out[-2000:]
     assert after >= before + 25.0, (before, after)
-    assert os.path.exists(os.path.join(tmp_path, "final", "latest"))
+    assert os.path.exists(os.path.join(tmp_path, "final", "latest_checkpointed_iteration.txt"))
 
 
 def test_generation_example_prints_continuations(tmp_path):
@@ -225,7 +275,7 @@ def test_bert_mlm_example_trains(tmp_path):
                             "--max_train_steps", 120, "--log_every", 10, "--num_train_epochs", 1)
     losses = [float(x) for x in re.findall(r"step \d+ loss ([\d.]+)", out)]
     assert len(losses) == 12 and sum(losses[-3:]) < sum(losses[:3]), losses
-    assert "eval loss" in out and os.path.exists(os.path.join(tmp_path, "final", "latest"))
+    assert "eval loss" in out and os.path.exists(os.path.join(tmp_path, "final", "latest_checkpointed_iteration.txt"))
 
 
 def test_grpo_example_reward_rises(tmp_path):

@@ -1,0 +1,63 @@
+"""How Megatron-LM checkpoints name a Megatron-Core tensor, given its name in one rank's module.
+
+- torch_dist: a module's `sharded_state_dict()` stacks the layers of a block under one key with a leading
+  layer axis (`decoder.layers.0.mlp.linear_fc2.weight` is row 0 of `decoder.layers.mlp.linear_fc2.weight`),
+  and megatron-core's layer specs file the pre-attention and pre-MLP norms under Transformer Engine's
+  names (`sharded_state_dict_keys_map`), so that checkpoints of the local and the TE implementation agree.
+- legacy torch: each rank's `state_dict()`, layers numbered within the stage; the norms under the local
+  names, or TE's when Megatron-LM ran with Transformer Engine (fused norm + linear).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import List, Optional, Tuple
+
+# megatron-core's local GPT, BERT and T5 layer specs (gpt_layer_specs.get_gpt_layer_local_spec, ...)
+TE_NORM_KEYS = {
+    "input_layernorm.": "self_attention.linear_qkv.layer_norm_",
+    "pre_mlp_layernorm.": "mlp.linear_fc1.layer_norm_",
+}
+_LAYER = re.compile(r"^(?P<stack>(?:.+\.)?layers)\.(?P<i>\d+)\.(?P<rest>.+)$")
+
+
+def _te(rest: str) -> str:
+    for local, te in TE_NORM_KEYS.items():
+        if rest.startswith(local):
+            return te + rest[len(local):]
+    return rest
+
+
+def split_layer(name: str) -> Optional[Tuple[str, int, str]]:
+    """(block prefix, layer index, name inside the layer), or None for a tensor outside the layers."""
+    m = _LAYER.match(name)
+    return (m.group("stack"), int(m.group("i")), m.group("rest")) if m else None
+
+
+def sharded_keys(name: str) -> Tuple[List[str], Optional[int]]:
+    """The keys a torch_dist checkpoint may file `name` (a whole-model module's state-dict name) under,
+    Megatron-LM's first, and its index along the key's layer axis (None: no layer axis)."""
+    parts = split_layer(name)
+    if parts is None:
+        return [name], None
+    stack, i, rest = parts
+    return list(dict.fromkeys([f"{stack}.{_te(rest)}", f"{stack}.{rest}"])), i
+
+
+def state_dict_names(name: str) -> List[str]:
+    """The names one rank's legacy state dict may hold `name` under: the local spec's, then TE's."""
+    parts = split_layer(name)
+    if parts is None:
+        return [name]
+    stack, i, rest = parts
+    return list(dict.fromkeys([name, f"{stack}.{i}.{_te(rest)}"]))
+
+
+def layer_indices(names, stack: str) -> set:
+    """The layer indices of `stack` (e.g. 'decoder.layers') among state-dict names."""
+    out = set()
+    for n in names:
+        parts = split_layer(n)
+        if parts is not None and parts[0] == stack:
+            out.add(parts[1])
+    return out
