@@ -319,3 +319,72 @@ def test_bad_indexed_data_is_refused_before_distributed_work(corpus, tmp_path):
     for name, (setting, *words) in expected.items():
         check_refusal(got[name], setting, *words, where=name)
         assert got[name][2] is False, f"{name}: raised after Megatron's groups were built"
+
+
+def _consumed_iterators(corpus, consumed, dp_rank, dp_size=2, micro=2, num_micro=2, wanted=2):
+    """The train and validation iterators of one data-parallel rank, built (as prepare builds them) with the
+    plugin's consumed_samples."""
+    loader = _loader(corpus, micro_batch_size=micro)
+    plugin = SimpleNamespace(global_batch_size=micro * num_micro * dp_size, num_micro_batches=num_micro,
+                             consumed_samples=consumed)
+    sizes = {"train_iters": STEPS, "eval_iters": 2, "eval_interval": 4, "eod": 0, "vocab_size": 1000}
+    return loader.build(sizes, plugin, SimpleNamespace(dp_size=dp_size, dp_rank=dp_rank), torch.device("cpu"), wanted)
+
+
+def test_consumed_samples_skip_exactly_those_samples(corpus):
+    g = 8  # micro 2 x 2 micro-batches x 2 data-parallel ranks
+    for rank in range(2):
+        train, valid = _consumed_iterators(corpus, None, rank)
+        skipped_train, skipped_valid = _consumed_iterators(corpus, [2 * g, g], rank)
+        assert (len(skipped_train), len(skipped_valid)) == (len(train) - 2, len(valid) - 1)
+        next(train), next(train)
+        first_valid = next(valid)["input_ids"]
+        # whole global batches: the run reads what a fresh run reads after that many steps, to the end
+        for step in range(len(skipped_train)):
+            assert torch.equal(next(skipped_train)["input_ids"], next(train)["input_ids"]), (rank, step)
+        with pytest.raises(StopIteration):
+            next(skipped_train)
+        second_valid = next(valid)["input_ids"]
+        assert torch.equal(next(skipped_valid)["input_ids"], second_valid)
+        # the validation iterator wraps around to its consumed samples, not to sample 0
+        skipped_valid.seek(len(skipped_valid) - 1)
+        next(skipped_valid)
+        again = next(skipped_valid)["input_ids"]
+        assert torch.equal(again, second_valid) and not torch.equal(again, first_valid)
+        # resuming (load_state's seek) counts steps after the consumed samples
+        skipped_train.seek(1)
+        (fresh,) = _consumed_iterators(corpus, None, rank, wanted=1)
+        fresh.seek(3)
+        assert torch.equal(next(skipped_train)["input_ids"], next(fresh)["input_ids"])
+    # any count, as Megatron-LM's sampler starts at any sample: rank r's micro-batch j holds c + 4j + 2r + (0, 1)
+    c = 5
+    for rank in range(2):
+        (it,) = _consumed_iterators(corpus, [c], rank, wanted=1)
+        rows = next(it)["input_ids"]
+        want = [c + 4 * j + 2 * rank + e for j in range(2) for e in range(2)]
+        assert torch.equal(rows, torch.stack([it.dataset[i]["tokens"] for i in want]))
+
+
+def test_consumed_samples_are_refused_when_nothing_is_left(corpus):
+    import copy
+
+    from megatron_plugin import MegatronLMDummyScheduler, MegatronLMPlugin
+    from megatron_plugin.data.indexed import consumed_samples
+    from megatron_plugin.models import check_model
+
+    model = tiny_gpt2()
+
+    def check(consumed, wanted=1):
+        plugin = copy.copy(MegatronLMPlugin(eval_iters=2, eval_interval=4, consumed_samples=consumed))
+        plugin.global_batch_size = 8  # as prepare's resolved plugin has it
+        return refusal(_loader(corpus).check_for, model.config, check_model(plugin, model.config), plugin,
+                       MegatronLMDummyScheduler(None, total_num_steps=STEPS), wanted)
+
+    assert check([8 * (STEPS - 1)]) is None  # one global batch left
+    check_refusal(check([8 * STEPS - 4]), "consumed_samples", "train split", f"{8 * STEPS} samples", "not one global batch")
+    # validation: (8 // 4 + 1) evaluations of 2 batches of 8
+    assert check([0, 40], wanted=2) is None
+    check_refusal(check([0, 48], wanted=2), "consumed_samples", "valid split", "48 are already consumed")
+    assert consumed_samples(SimpleNamespace(consumed_samples=[5])) == [5, 0, 0]
+    assert consumed_samples(SimpleNamespace(consumed_samples=None)) == [0, 0, 0]
+    check_refusal(refusal(consumed_samples, SimpleNamespace(consumed_samples=[-1])), "consumed_samples", "whole numbers")

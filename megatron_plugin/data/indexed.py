@@ -112,6 +112,21 @@ def _split_ranges(split, documents: int) -> list:
     return [None if m is None else (int(round(m[0] * documents)), int(round(m[1] * documents))) for m in matrix]
 
 
+def consumed_samples(plugin) -> list:
+    """The plugin's `consumed_samples` as [train, valid, test] (accelerate pads a shorter list with 0s):
+    samples each split's iterator skips, as Megatron-LM's samplers start at consumed_*_samples."""
+    value = getattr(plugin, "consumed_samples", None)
+    if value is None:
+        return [0, 0, 0]
+    if (not isinstance(value, (list, tuple)) or not 1 <= len(value) <= 3
+            or not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v >= 0 for v in value)):
+        raise MegatronPluginConfigError(
+            "consumed_samples", value, "pass a list of up to three whole numbers >= 0: the train, valid and test "
+                                       "samples already consumed, e.g. [2048] or [2048, 64, 0]",
+        )
+    return [int(v) for v in value] + [0] * (3 - len(value))
+
+
 def _blend(value):
     from megatron.core.datasets.utils import get_blend_from_list
 
@@ -240,11 +255,15 @@ class MegatronLMDummyDataLoader:
         limit = family.position_limit(hf_config)
         if limit is not None and a["seq_length"] > limit:
             raise self._bad("seq_length", f"the model has {limit} positions: use seq_length <= {limit}")
-        train_iters = a["train_iters"] or (getattr(scheduler, "total_num_steps", None) if scheduler is not None else None)
+        g = plugin.global_batch_size
+        train_iters = (a["train_iters"] or (getattr(scheduler, "total_num_steps", None) if scheduler is not None else None)
+                       or getattr(plugin, "train_iters", None)
+                       or (plugin.train_samples // g if getattr(plugin, "train_samples", None) else None))
         if not train_iters:
             raise self._bad(
                 "train_iters", "the number of training steps sizes the train split: pass "
-                "MegatronLMDummyScheduler(optimizer, total_num_steps=...) to the same prepare call, or train_iters here",
+                "MegatronLMDummyScheduler(optimizer, total_num_steps=...) to the same prepare call, or train_iters here "
+                "(or the plugin's train_iters/train_samples)",
             )
         eod = a["eod_token_id"]
         if eod is None:  # the model's eos (the first, if the config lists several)
@@ -275,6 +294,16 @@ class MegatronLMDummyDataLoader:
         if wanted > 1 and eval_iters == 0:
             raise self._bad("eval_iters", "an evaluation iterator was asked for, with 0 batches per evaluation: "
                                           "set eval_iters >= 1 (here or in MegatronLMPlugin)")
+        consumed = consumed_samples(plugin)
+        sizes = split_samples(int(train_iters), int(eval_iters), int(eval_interval), g)
+        for i in range(wanted):
+            if consumed[i] and consumed[i] + g > sizes[i]:  # Megatron-LM's sampler asserts it
+                raise MegatronPluginConfigError(
+                    "consumed_samples", plugin.consumed_samples,
+                    f"the {SPLITS[i]} split is built for {sizes[i]} samples ({sizes[i] // g} global batches of {g}), "
+                    f"and {consumed[i]} are already consumed: not one global batch is left. Lower "
+                    f"consumed_samples[{i}], or raise the run's steps",
+                )
         return {"train_iters": int(train_iters), "eval_iters": int(eval_iters), "eval_interval": int(eval_interval),
                 "eod": -1 if eod is None else int(eod), "vocab_size": int(hf_config.vocab_size)}
 
@@ -314,15 +343,23 @@ class MegatronLMDummyDataLoader:
         if not per_split:  # the splits not asked for are not built (their documents stay where split puts them)
             config.split_matrix = [m if i < wanted else None for i, m in enumerate(config.split_matrix)]
         g = plugin.global_batch_size
-        evals = resolved["train_iters"] // resolved["eval_interval"] + 1
-        sizes = [resolved["train_iters"] * g, evals * resolved["eval_iters"] * g, resolved["eval_iters"] * g]
+        sizes = split_samples(resolved["train_iters"], resolved["eval_iters"], resolved["eval_interval"], g)
         sizes = [n if i < wanted else 0 for i, n in enumerate(sizes)]
         datasets = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+        consumed = consumed_samples(plugin)
         return [
             MegatronBatches(datasets[i], a["micro_batch_size"], plugin.num_micro_batches, layout.dp_size, layout.dp_rank,
-                            device, a["num_workers"], cyclic=i > 0, positions=a["reset_position_ids"], split=SPLITS[i])
+                            device, a["num_workers"], cyclic=i > 0, positions=a["reset_position_ids"], split=SPLITS[i],
+                            consumed=consumed[i])
             for i in range(wanted)
         ]
+
+
+def split_samples(train_iters: int, eval_iters: int, eval_interval: int, global_batch: int) -> list:
+    """Samples of the train, validation and test splits, as Megatron-LM sizes them
+    (train_valid_test_num_samples): the run's global batches, its evaluations' and one evaluation's."""
+    evals = train_iters // eval_interval + 1
+    return [train_iters * global_batch, evals * eval_iters * global_batch, eval_iters * global_batch]
 
 
 class _DocumentEnds:
@@ -335,31 +372,32 @@ class _DocumentEnds:
 
 class MegatronBatches:
     """One data-parallel rank's step batches from a GPTDataset, [micro_batch_size * num_micro_batches,
-    seq_length] each. Step i's micro-batch j holds samples i*G + j*micro*dp + rank*micro + (0..micro-1),
-    G the global batch: Megatron-LM's MegatronPretrainingSampler order. The train iterator stops after
-    the samples built for train_iters steps; validation and test wrap around. `position` (steps taken)
-    is set from the checkpoint's iteration by `accelerator.load_state`, as Megatron-LM resumes from its
-    consumed samples."""
+    seq_length] each. Step i's micro-batch j holds samples c + i*G + j*micro*dp + rank*micro + (0..micro-1),
+    G the global batch and c the split's `consumed_samples`: Megatron-LM's MegatronPretrainingSampler order,
+    from its consumed samples on. The train iterator stops after the samples built for train_iters steps;
+    validation and test wrap around (to sample c). `position` (steps taken after c) is set from the
+    checkpoint's iteration by `accelerator.load_state`, as Megatron-LM resumes from its consumed samples."""
 
     def __init__(self, dataset, micro: int, num_micro: int, dp_size: int, dp_rank: int, device, num_workers: int,
-                 cyclic: bool, positions: bool, split: str):
+                 cyclic: bool, positions: bool, split: str, consumed: int = 0):
         self.dataset, self.micro, self.num_micro = dataset, micro, num_micro
         self.dp_size, self.dp_rank, self.device = dp_size, dp_rank, device
         self.num_workers, self.cyclic, self.positions, self.split = num_workers, cyclic, positions, split
         self.micro_batch_size = micro
         self.global_batch = micro * num_micro * dp_size
+        self.consumed = consumed
         self.position = 0
         self._it = None
 
     def __len__(self) -> int:
-        """Whole steps the dataset holds."""
-        return len(self.dataset) // self.global_batch
+        """Whole steps the dataset holds after its consumed samples."""
+        return max(len(self.dataset) - self.consumed, 0) // self.global_batch
 
     def __iter__(self):
         return self
 
     def indices(self, step: int) -> list:
-        start = step * self.global_batch
+        start = self.consumed + step * self.global_batch
         per_micro = self.micro * self.dp_size
         return [start + j * per_micro + self.dp_rank * self.micro + e
                 for j in range(self.num_micro) for e in range(self.micro)]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 from typing import Dict, List, Tuple
 
 import torch
@@ -58,30 +59,109 @@ def trainable_flags(hf_model: torch.nn.Module, user_opt: torch.optim.Optimizer,
 
 
 def rebuild_optimizer(user_opt: torch.optim.Optimizer, hf_model: torch.nn.Module,
-                      sources: Dict[str, Tuple[str, ...]], mcore_params: Dict[str, torch.nn.Parameter]) -> torch.optim.Optimizer:
+                      sources: Dict[str, Tuple[str, ...]], mcore_params: Dict[str, torch.nn.Parameter],
+                      plugin=None) -> torch.optim.Optimizer:
     """Same class, same per-group hyper-parameters, over the trainable Megatron parameters of this rank.
 
     Each Megatron parameter joins the group its HF source parameter was in, so the usual
     "no weight decay for biases and LayerNorm" groups of HF scripts carry over.
     Frozen Megatron parameters (`requires_grad=False`, see `trainable_flags`) are left out.
+    The plugin's `scale_lr_cond`/`lr_mult` and `no_wd_decay_cond` (called with the Megatron parameter
+    names, e.g. 'decoder.layers.0.mlp.linear_fc1.bias') split groups further (`group_settings`).
     """
     check_optimizer(user_opt)
+    if plugin is not None:
+        check_optimizer_fields(plugin, user_opt, "cpu")
     hf_name_of = {id(p): n for n, p in hf_model.named_parameters()}
     group_of_hf: Dict[str, int] = {}
     for gi, group in enumerate(user_opt.param_groups):
         for p in group["params"]:
             if id(p) in hf_name_of:
                 group_of_hf[hf_name_of[id(p)]] = gi
-    groups: List[List[torch.nn.Parameter]] = [[] for _ in user_opt.param_groups]
+    keys = SUPPORTED[type(user_opt)]
+    # (HF group, lr multiplier, weight decay) -> parameters: the conditions split HF groups, in their order
+    split: Dict[Tuple[int, float, float], List[torch.nn.Parameter]] = {}
     for name, param in mcore_params.items():
         if param.requires_grad:
-            groups[group_of_hf[sources[name][0]]].append(param)
-    keys = SUPPORTED[type(user_opt)]
-    param_groups = [
-        {"params": params, **{k: g[k] for k in keys if k in g}}
-        for params, g in zip(groups, user_opt.param_groups) if params
-    ]
+            gi = group_of_hf[sources[name][0]]
+            mult, wd = group_settings(plugin, user_opt, gi, name, param)
+            split.setdefault((gi, mult, wd), []).append(param)
+    param_groups = []
+    for (gi, mult, wd), params in sorted(split.items(), key=lambda kv: kv[0][0]):
+        g = {"params": params, **{k: user_opt.param_groups[gi][k] for k in keys if k in user_opt.param_groups[gi]}}
+        if "weight_decay" in g or wd:
+            g["weight_decay"] = wd
+        if mult != 1.0:  # Megatron's group flag; the scheduler scales this group's min_lr by it too
+            g["lr"], g["lr_mult"] = g["lr"] * mult, mult
+        param_groups.append(g)
     return type(user_opt)(param_groups)
+
+
+def _decay_of(user_opt: torch.optim.Optimizer) -> float:
+    """Megatron's one weight_decay: the largest of the HF groups' (their no-decay groups hold 0)."""
+    return max(g.get("weight_decay", 0.0) for g in user_opt.param_groups)
+
+
+def group_settings(plugin, user_opt: torch.optim.Optimizer, gi: int, name: str, param) -> Tuple[float, float]:
+    """(lr multiplier, weight decay) of Megatron parameter `name` from HF group `gi`. Without conditions,
+    the HF group's own. `scale_lr_cond(name, param)` picks the parameters whose lr is times `lr_mult`;
+    `no_wd_decay_cond(name, param)`, when given, decides decay for every parameter, as in Megatron-LM:
+    those it picks get none, the others the optimizer's weight decay."""
+    scale = getattr(plugin, "scale_lr_cond", None)
+    mult = float(plugin.lr_mult) if scale is not None and scale(name, param) else 1.0
+    no_wd = getattr(plugin, "no_wd_decay_cond", None)
+    if no_wd is None:
+        wd = user_opt.param_groups[gi].get("weight_decay", 0.0)
+    else:
+        wd = 0.0 if no_wd(name, param) else _decay_of(user_opt)
+    return mult, wd
+
+
+def check_optimizer_fields(plugin, optimizer: torch.optim.Optimizer, device_type: str) -> None:
+    """The plugin's optimizer fields against the device and the optimizer, before any distributed work.
+
+    megatron-core 0.16.1 (optimizer/__init__.py, optimizer_config.py, distrib_optimizer.py): the CPU
+    offload builds its HybridDeviceOptimizer for AdamW only (it asserts decoupled weight decay), and only
+    the distributed optimizer hands it the fp32 main parameters (the Float16 optimizer would leave its
+    sub-optimizers on the bf16 weights, whose .grad is never set); the precision-aware optimizer asserts
+    Adam and the distributed optimizer, and reads Transformer Engine's version in OptimizerConfig."""
+    offload = bool(getattr(plugin, "optimizer_cpu_offload", False))
+    aware = bool(getattr(plugin, "use_precision_aware_optimizer", False))
+    if getattr(plugin, "overlap_cpu_optimizer_d2h_h2d", False) and not offload:
+        raise MegatronPluginConfigError(
+            "overlap_cpu_optimizer_d2h_h2d", True,
+            "it overlaps the copies of the CPU-offloaded optimizer: set optimizer_cpu_offload=True too, or leave it False",
+        )
+    if device_type != "cuda":
+        if aware:
+            raise MegatronPluginConfigError(
+                "use_precision_aware_optimizer", True,
+                "Megatron-Core's precision-aware optimizer runs on CUDA (Transformer Engine's FusedAdam): for a CPU "
+                "run set use_precision_aware_optimizer=False",
+            )
+        return  # the CPU engine's optimizer already lives on the CPU: optimizer_cpu_offload is satisfied
+    if offload or aware:
+        setting = "optimizer_cpu_offload" if offload else "use_precision_aware_optimizer"
+        wanted = (torch.optim.AdamW,) if offload else (torch.optim.AdamW, torch.optim.Adam)
+        if type(optimizer) not in wanted:
+            raise MegatronPluginConfigError(
+                setting, True,
+                f"Megatron-Core's {'CPU-offloaded' if offload else 'precision-aware'} optimizer is Adam"
+                f"{'W (decoupled weight decay)' if offload else ''}, not {type(optimizer).__name__}: build a "
+                f"torch.optim.AdamW, or set {setting}=False",
+            )
+        if not getattr(plugin, "use_distributed_optimizer", False):
+            raise MegatronPluginConfigError(
+                setting, True,
+                "Megatron-Core runs it inside its distributed optimizer: set use_distributed_optimizer=True too",
+            )
+    if aware and importlib.util.find_spec("transformer_engine") is None:
+        raise MegatronPluginConfigError(
+            "use_precision_aware_optimizer", True,
+            "Megatron-Core's precision-aware optimizer needs Transformer Engine (its FusedAdam keeps the master "
+            "weights; megatron-core 0.16.1 reads TE's version for it even with optimizer_cpu_offload), which is not "
+            "installed: pip install transformer-engine, or set use_precision_aware_optimizer=False",
+        )
 
 
 class MegatronLMOptimizerWrapper:
