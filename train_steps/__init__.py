@@ -10,7 +10,8 @@ from .dpo import DPOTrainStep
 from .gpt import GPTTrainStep
 from .policy import PolicyGradientTrainStep, PolicyOutput
 from .t5 import T5TrainStep
-from .utils import avg_losses_across_data_parallel_group, gather_across_data_parallel_groups, per_token_log_probs
+from .utils import (avg_losses_across_data_parallel_group, gather_across_data_parallel_groups, per_token_log_probs,
+                    per_token_loss_result, sum_across_data_parallel_group)
 
 __all__ = [
     "AbstractTrainStep",
@@ -23,4 +24,6 @@ __all__ = [
     "avg_losses_across_data_parallel_group",
     "gather_across_data_parallel_groups",
     "per_token_log_probs",
+    "per_token_loss_result",
+    "sum_across_data_parallel_group",
 ]

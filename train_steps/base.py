@@ -8,7 +8,11 @@ class AbstractTrainStep:
 
     - `get_batch(data_iterator)`: the next micro-batch as Megatron inputs,
     - `forward_step(data_iterator, model) -> (output_tensor, loss_func_of(output_tensor))`,
-    - `loss_func(..., output_tensor) -> (loss, {"name": data-parallel-averaged value})`.
+    - `loss_func(..., output_tensor) -> (loss, {"name": data-parallel-averaged value})`; with the plugin's
+      `calculate_per_token_loss` (megatron_args.calculate_per_token_loss), Megatron-LM's per-token contract
+      instead: `(sum of the token losses, token count as an int tensor, {"name": [sum, count] summed over
+      data-parallel ranks})` (`train_steps.utils.per_token_loss_result`, `sum_across_data_parallel_group`);
+      the engines then divide the gradients and the logged sums by the global batch's count.
 
     Class attributes the engine reads: `input_key`, the batch key whose [rows, tokens] shape lays out
     the micro-batches; `loss_log_key`, the logged value returned as the output's `.loss` (None: the

@@ -9,14 +9,19 @@ from megatron_plugin.models.bert import bert_inputs
 
 from .base import AbstractTrainStep
 from .gpt import IGNORE_INDEX, unwrap_model
-from .utils import avg_losses_across_data_parallel_group
+from .utils import avg_losses_across_data_parallel_group, per_token_loss_result, sum_across_data_parallel_group
 
 
 class BertTrainStep(AbstractTrainStep):
     """BERT step on HF batches: `input_ids`, `attention_mask`, `token_type_ids` (zeros when absent),
     MLM `labels` (-100 = no loss) and, for a model with a binary head (…ForPreTraining), an optional
     `next_sentence_label`. Loss = MLM loss (mean over labelled tokens) + NSP/sentence-order loss, as in
-    HF's BertForPreTraining; logs 'lm loss' and 'sop loss'."""
+    HF's BertForPreTraining; logs 'lm loss' and 'sop loss'.
+
+    `calculate_per_token_loss`: the MLM loss is token-weighted over the global batch (Megatron-LM's
+    (sum, tokens, logs) contract). A next-sentence loss is a mean over sequences, which has no per-token
+    weight (Megatron-LM's BERT does not offer per-token loss either): a batch with `next_sentence_label` is
+    refused then."""
 
     model_output_class = MaskedLMOutput
     same_shape = (("labels", "input_ids", "one MLM label per token (-100 where none)"),
@@ -27,6 +32,7 @@ class BertTrainStep(AbstractTrainStep):
         self.megatron_args = megatron_args
         self.binary_head = getattr(megatron_args, "model_variant", "mlm") == "pretraining"
         self.return_logits = getattr(megatron_args, "return_logits", False)
+        self.per_token_loss = bool(getattr(megatron_args, "calculate_per_token_loss", False))
         self.get_batch = self.get_batch_func()
         self.loss_func = self.get_loss_func()
         self.forward_step = self.get_forward_step_func()
@@ -37,6 +43,16 @@ class BertTrainStep(AbstractTrainStep):
         if batch.get("next_sentence_label") is not None and self.binary_head:
             count = count + batch["next_sentence_label"].numel()
         return count
+
+    def check_batch(self, batch):
+        if self.per_token_loss and batch.get("next_sentence_label") is not None:
+            return MegatronPluginConfigError(
+                "calculate_per_token_loss", True,
+                "the batch has next_sentence_label: the next-sentence loss is a mean over sequences, HF adds it to the "
+                "MLM loss's mean over tokens, and one per-token weighting cannot give both; drop next_sentence_label "
+                "(MLM alone), or set calculate_per_token_loss=False (each micro-batch's MLM + NSP loss, averaged)",
+            )
+        return None
 
     def get_batch_func(self, *args, **kwargs):
         def get_batch(data_iterator):
@@ -69,6 +85,12 @@ class BertTrainStep(AbstractTrainStep):
         def loss_func(loss_mask, sentence_order, output_tensor):
             lm_losses, binary_logits = output_tensor[:2]
             count = loss_mask.sum()
+            if self.per_token_loss:  # check_batch has refused a sentence-order label
+                total = (lm_losses.float() * loss_mask).sum()
+                logs = {"lm loss": sum_across_data_parallel_group([(total, count)])[0]}
+                if len(output_tensor) > 2:
+                    logs["logits"] = output_tensor[2]
+                return per_token_loss_result(total, count, logs)
             lm_loss = (lm_losses.float() * loss_mask).sum() / count.clamp_min(1.0)
             loss = lm_loss
             logs = {}

@@ -11,7 +11,8 @@ from megatron_plugin.errors import MegatronPluginConfigError
 
 from .gpt import IGNORE_INDEX, GPTTrainStep
 from .policy import PolicyOutput, check_known, check_number
-from .utils import avg_losses_across_data_parallel_group, per_token_log_probs
+from .utils import (avg_losses_across_data_parallel_group, per_token_log_probs, per_token_loss_result,
+                    sum_across_data_parallel_group)
 
 SIDES = ("chosen", "rejected")
 
@@ -52,7 +53,8 @@ class DPOTrainStep(GPTTrainStep):
     ..., "labels": ...}).sum(-1)` before training.
 
     loss = -(1 - label_smoothing) log sigmoid(beta m) - label_smoothing log sigmoid(-beta m), with
-    m = (log p(chosen) - ref_chosen) - (log p(rejected) - ref_rejected), averaged over the pairs. Logs
+    m = (log p(chosen) - ref_chosen) - (log p(rejected) - ref_rejected), averaged over the pairs (with
+    `calculate_per_token_loss`, over the pairs of the global batch, in Megatron-LM's (sum, count, logs)). Logs
     'loss', 'reward accuracy', 'chosen reward', 'rejected reward', 'reward margin'.
     `custom_train_step_kwargs`: beta (0.1), label_smoothing (0).
     """
@@ -142,7 +144,14 @@ class DPOTrainStep(GPTTrainStep):
             rejected = self.beta * (summed[rows:] - data["ref_rejected_logps"].float())
             margin = chosen - rejected
             ls = self.label_smoothing
-            loss = (-(1 - ls) * F.logsigmoid(margin) - ls * F.logsigmoid(-margin)).mean()
+            per_pair = -(1 - ls) * F.logsigmoid(margin) - ls * F.logsigmoid(-margin)
+            if self.per_token_loss:
+                pairs = margin.new_tensor(float(rows))
+                parts = {"loss": per_pair.sum(), "reward accuracy": (chosen > rejected).float().sum(),
+                         "chosen reward": chosen.sum(), "rejected reward": rejected.sum(), "reward margin": margin.sum()}
+                reduced = sum_across_data_parallel_group([(v, pairs) for v in parts.values()])
+                return per_token_loss_result(parts["loss"], pairs, dict(zip(parts, reduced)))
+            loss = per_pair.mean()
             values = {"reward accuracy": (chosen > rejected).float().mean(), "chosen reward": chosen.mean(),
                       "rejected reward": rejected.mean(), "reward margin": margin.mean()}
             averaged = avg_losses_across_data_parallel_group([loss, *values.values()])

@@ -3,10 +3,11 @@ from functools import partial
 import torch
 from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
+from megatron_plugin.errors import MegatronPluginConfigError
 from megatron_plugin.models.causal import causal_lm_inputs
 
 from .base import AbstractTrainStep
-from .utils import avg_losses_across_data_parallel_group
+from .utils import avg_losses_across_data_parallel_group, per_token_loss_result, sum_across_data_parallel_group
 
 IGNORE_INDEX = -100
 
@@ -18,12 +19,31 @@ def unwrap_model(model):
     return model
 
 
+def eod_ids(megatron_args):
+    """The end-of-document ids whose positions carry no loss with `eod_mask_loss` (none without it)."""
+    if not getattr(megatron_args, "eod_mask_loss", False):
+        return None
+    eod = getattr(megatron_args, "eod_token", None)
+    ids = [] if eod is None else [int(e) for e in eod] if isinstance(eod, (list, tuple)) else [int(eod)]
+    if not ids:
+        raise MegatronPluginConfigError(
+            "eod_mask_loss", True, "the model config has no eos_token_id to find document ends by: set "
+            "config.eos_token_id before prepare, or set eod_mask_loss=False",
+        )
+    return torch.tensor(ids)
+
+
 class GPTTrainStep(AbstractTrainStep):
     """Causal LM step on HF batches: `input_ids`, optional `attention_mask` and `labels` (HF
     semantics: labels are the inputs, shifted here; -100 and padding positions carry no loss).
     `shift_labels`, when the batch has them, are the targets already shifted (position t's is the
     token after t), as HF's causal-LM loss takes them; then `labels` are not read. Megatron indexed
-    datasets yield them, since their labels are the next tokens including the one after the window."""
+    datasets yield them, since their labels are the next tokens including the one after the window.
+
+    `eod_mask_loss` (Megatron's): a position whose input token is an end-of-document id (the config's
+    eos_token_id) carries no loss, so the first token of the next document is not predicted from the last one.
+    `calculate_per_token_loss`: the loss function returns Megatron-LM's (sum, tokens, logs); every labelled
+    token of the global batch then weighs the same, as in HF's loss over the whole batch."""
 
     model_output_class = CausalLMOutputWithCrossAttentions
     same_shape = (("labels", "input_ids", "one label per token (-100 where none)"),
@@ -33,6 +53,8 @@ class GPTTrainStep(AbstractTrainStep):
         super().__init__("GPTTrainStep")
         self.megatron_args = megatron_args
         self.return_logits = getattr(megatron_args, "return_logits", False)
+        self.per_token_loss = bool(getattr(megatron_args, "calculate_per_token_loss", False))
+        self.eod_ids = eod_ids(megatron_args)
         self.get_batch = self.get_batch_func()
         self.loss_func = self.get_loss_func()
         self.forward_step = self.get_forward_step_func()
@@ -54,8 +76,16 @@ class GPTTrainStep(AbstractTrainStep):
         labels = cls._labels(data)
         return torch.cat([labels[:, 1:], torch.full_like(labels[:, :1], IGNORE_INDEX)], dim=1)
 
+    def _targets(self, data):
+        """(shifted labels, the positions that carry a loss)."""
+        shifted = self._shifted_labels(data).long()
+        keep = shifted != IGNORE_INDEX
+        if self.eod_ids is not None:
+            keep = keep & ~torch.isin(data["input_ids"], self.eod_ids.to(data["input_ids"].device))
+        return shifted, keep
+
     def count_loss_tokens(self, batch):
-        return (self._shifted_labels(batch) != IGNORE_INDEX).sum()
+        return self._targets(batch)[1].sum()
 
     def get_batch_func(self, *args, **kwargs):
         def get_batch(data_iterator):
@@ -64,9 +94,8 @@ class GPTTrainStep(AbstractTrainStep):
             tokens, position_ids, attention_mask = causal_lm_inputs(
                 data["input_ids"], data.get("attention_mask"), data.get("position_ids")
             )
-            shifted = self._shifted_labels(data).long()
-            loss_mask = (shifted != IGNORE_INDEX).float()
-            return tokens, shifted.clamp_min(0), loss_mask, attention_mask, position_ids
+            shifted, keep = self._targets(data)
+            return tokens, shifted.clamp_min(0), keep.float(), attention_mask, position_ids
 
         return get_batch
 
@@ -81,7 +110,14 @@ class GPTTrainStep(AbstractTrainStep):
                 output_tensor, logits = output_tensor
             losses = output_tensor.float().view(-1)
             loss_mask = loss_mask.view(-1).float()
-            loss = torch.sum(losses * loss_mask) / loss_mask.sum().clamp_min(1.0)
+            total = torch.sum(losses * loss_mask)
+            if self.per_token_loss:
+                count = loss_mask.sum()
+                logs = {"lm loss": sum_across_data_parallel_group([(total, count)])[0]}
+                if logits is not None:
+                    logs["logits"] = logits
+                return per_token_loss_result(total, count, logs)
+            loss = total / loss_mask.sum().clamp_min(1.0)
             averaged = avg_losses_across_data_parallel_group([loss])
             logs = {"lm loss": averaged[0]}
             if logits is not None:

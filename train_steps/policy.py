@@ -19,7 +19,8 @@ from transformers.utils import ModelOutput
 from megatron_plugin.errors import MegatronPluginConfigError
 
 from .gpt import IGNORE_INDEX, GPTTrainStep
-from .utils import avg_losses_across_data_parallel_group, per_token_log_probs, shift_to_tokens
+from .utils import (avg_losses_across_data_parallel_group, per_token_log_probs, per_token_loss_result, shift_to_tokens,
+                    sum_across_data_parallel_group)
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
@@ -34,21 +35,20 @@ class PolicyOutput(ModelOutput):
     metrics: Optional[dict] = None
 
 
-def masked_mean(values, mask):
-    return (values * mask).sum() / mask.sum().clamp_min(1.0)
-
-
-def aggregate(per_token, mask, how: str):
-    """token-mean: over every loss token of the micro-batch; seq-mean-token-mean: per sequence, then over
-    the sequences that have loss tokens; seq-mean-token-sum: summed per sequence (Dr. GRPO), then so."""
+def aggregate_parts(per_token, mask, how: str):
+    """(sum, count) whose ratio aggregates `per_token` over a micro-batch. token-mean: over every loss token;
+    seq-mean-token-mean: per sequence, then over the sequences that have loss tokens; seq-mean-token-sum:
+    summed per sequence (Dr. GRPO), then so. Added over micro-batches and data-parallel ranks
+    (calculate_per_token_loss), the same ratio aggregates the global batch: every token (token-mean) or every
+    sequence (the seq-mean kinds) weighs the same."""
     if how == "token-mean":
-        return masked_mean(per_token, mask)
+        return (per_token * mask).sum(), mask.sum()
     per_seq = (per_token * mask).sum(-1)
     counts = mask.sum(-1)
     if how == "seq-mean-token-mean":
         per_seq = per_seq / counts.clamp_min(1.0)
     rows = (counts > 0).float()
-    return (per_seq * rows).sum() / rows.sum().clamp_min(1.0)
+    return (per_seq * rows).sum(), rows.sum()
 
 
 def check_number(name, value, low=0.0, inclusive=True):
@@ -104,7 +104,8 @@ class PolicyGradientTrainStep(GPTTrainStep):
     Per token: max(-A r, -A clip(r, 1 - clip_range, 1 + clip_range_high)) with r = exp(log p - old), plus
     `kl_coef` * k3 KL to the reference (exp(ref - log p) - (ref - log p) - 1), minus `entropy_coef` * entropy;
     aggregated by `loss_aggregation` over each micro-batch, then averaged over micro-batches and
-    data-parallel ranks like GPTTrainStep's loss. Logs 'loss', 'pg loss', 'clip fraction', 'ppo kl'
+    data-parallel ranks like GPTTrainStep's loss; with `calculate_per_token_loss`, aggregated over the global
+    batch (every token, or with the seq-mean kinds every sequence, weighs the same), the metrics too. Logs 'loss', 'pg loss', 'clip fraction', 'ppo kl'
     (E[old - new]), 'kl' and 'entropy' when used; the step's output has `.loss` and `.metrics`.
     Set the model's dropout to 0 (as RL recipes do), so the ratio is exactly 1 on the sampling policy.
 
@@ -191,20 +192,24 @@ class PolicyGradientTrainStep(GPTTrainStep):
             pg2 = -adv * ratio.clamp(1.0 - self.clip_low, 1.0 + self.clip_high)
             pg = torch.maximum(pg1, pg2)
             per_token = pg
-            values = {"pg loss": aggregate(pg, mask, self.loss_aggregation),
-                      "clip fraction": masked_mean((pg2 > pg1).float(), mask),
-                      "ppo kl": masked_mean(-log_ratio, mask)}
+            how = self.loss_aggregation
+            # (sum, count) pairs: their ratio is each value over the micro-batch, their sums over the global batch
+            parts = {"pg loss": aggregate_parts(pg, mask, how),
+                     "clip fraction": aggregate_parts((pg2 > pg1).float(), mask, "token-mean"),
+                     "ppo kl": aggregate_parts(-log_ratio, mask, "token-mean")}
             if self.kl_coef:
                 d = torch.where(on, data["ref_log_probs"].float() - log_probs, 0.0)
                 kl = d.exp() - d - 1.0
                 per_token = per_token + self.kl_coef * kl
-                values["kl"] = masked_mean(kl, mask)
+                parts["kl"] = aggregate_parts(kl, mask, "token-mean")
             if entropy is not None:
                 per_token = per_token - self.entropy_coef * entropy
-                values["entropy"] = masked_mean(entropy, mask)
-            loss = aggregate(per_token, mask, self.loss_aggregation)
-            names = ["loss", *values]
-            averaged = avg_losses_across_data_parallel_group([loss, *values.values()])
-            return loss, dict(zip(names, averaged))
+                parts["entropy"] = aggregate_parts(entropy, mask, "token-mean")
+            total, count = aggregate_parts(per_token, mask, how)
+            parts = {"loss": (total, count), **parts}
+            if self.per_token_loss:
+                return per_token_loss_result(total, count, dict(zip(parts, sum_across_data_parallel_group(parts.values()))))
+            means = [s / c.clamp_min(1.0) for s, c in parts.values()]
+            return means[0], dict(zip(parts, avg_losses_across_data_parallel_group(means)))
 
         return loss_func

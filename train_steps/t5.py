@@ -7,13 +7,14 @@ from megatron_plugin.models.t5 import t5_inputs
 
 from .base import AbstractTrainStep
 from .gpt import IGNORE_INDEX, unwrap_model
-from .utils import avg_losses_across_data_parallel_group
+from .utils import avg_losses_across_data_parallel_group, per_token_loss_result, sum_across_data_parallel_group
 
 
 class T5TrainStep(AbstractTrainStep):
     """Seq2seq step on HF batches: `input_ids`, `attention_mask`, `labels` (-100 = no loss) and optional
     `decoder_input_ids` (default: the labels shifted right, as HF's T5 makes them) and
-    `decoder_attention_mask`. Loss = mean over labelled tokens, as T5ForConditionalGeneration's."""
+    `decoder_attention_mask`. Loss = mean over labelled tokens, as T5ForConditionalGeneration's; with
+    `calculate_per_token_loss`, over the labelled tokens of the global batch (Megatron-LM's (sum, tokens, logs))."""
 
     model_output_class = Seq2SeqLMOutput
     # labels are the decoder's targets: their length is the decoder's, not input_ids'
@@ -25,6 +26,7 @@ class T5TrainStep(AbstractTrainStep):
         super().__init__("T5TrainStep")
         self.megatron_args = megatron_args
         self.return_logits = getattr(megatron_args, "return_logits", False)
+        self.per_token_loss = bool(getattr(megatron_args, "calculate_per_token_loss", False))
         self.decoder_start_token_id = getattr(megatron_args, "decoder_start_token_id", 0)
         self.pad_token_id = getattr(megatron_args, "pad_token_id", 0)
         self.get_batch = self.get_batch_func()
@@ -62,7 +64,13 @@ class T5TrainStep(AbstractTrainStep):
             logits = None
             if isinstance(output_tensor, tuple):
                 output_tensor, logits = output_tensor
-            loss = (output_tensor.float() * loss_mask).sum() / loss_mask.sum().clamp_min(1.0)
+            total = (output_tensor.float() * loss_mask).sum()
+            if self.per_token_loss:
+                logs = {"lm loss": sum_across_data_parallel_group([(total, loss_mask.sum())])[0]}
+                if logits is not None:
+                    logs["logits"] = logits
+                return per_token_loss_result(total, loss_mask.sum(), logs)
+            loss = total / loss_mask.sum().clamp_min(1.0)
             logs = {"lm loss": avg_losses_across_data_parallel_group([loss])[0]}
             if logits is not None:
                 logs["logits"] = logits

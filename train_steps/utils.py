@@ -12,6 +12,26 @@ def avg_losses_across_data_parallel_group(losses):
     return averaged / dist.get_world_size(group)
 
 
+def sum_across_data_parallel_group(pairs):
+    """Per-token logging (calculate_per_token_loss): each (sum, count) of a micro-batch, summed over the
+    data-parallel (and context-parallel) ranks, as a [sum, count] tensor (detached) in one all-reduce. The engine
+    adds the micro-batches' pairs and logs sum / count: the value over every token of the global batch, as
+    Megatron-LM's training loop does with the [loss, tokens] its loss functions report."""
+    stacked = torch.stack([torch.stack([s.detach().float().reshape(()), c.detach().to(s.device).float().reshape(())])
+                           for s, c in pairs])
+    group = parallel_state.get_data_parallel_group(with_context_parallel=True)
+    if dist.get_world_size(group) > 1:
+        dist.all_reduce(stacked, group=group)
+    return list(stacked.unbind(0))
+
+
+def per_token_loss_result(total, count, logs):
+    """What a loss function returns under calculate_per_token_loss, Megatron-LM's contract: (the sum of the
+    micro-batch's token losses, how many tokens it has as an int tensor, logs); the engines divide the
+    gradients by the global batch's token count."""
+    return total, count.detach().to(torch.int).reshape(()), logs
+
+
 def gather_across_data_parallel_groups(tensor):
     """Concatenate (along dim 0) the tensors of every data-parallel rank, nested structures too."""
     group = parallel_state.get_data_parallel_group()

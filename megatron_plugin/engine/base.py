@@ -149,6 +149,8 @@ class MegatronEngine(torch.nn.Module):
                 with torch.no_grad():
                     logs, logits = self._eval_step(micro_batches)
         self.metrics = logs
+        if self.training and getattr(self, "tensorboard", None) is not None:
+            self.tensorboard.log_step(self.iteration, logs, self.optimizer, self)
         key = step.loss_log_key
         if key is not None and key in logs:
             loss = logs[key]
@@ -254,7 +256,8 @@ class MegatronEngine(torch.nn.Module):
         return torch.autocast(self.device.type, dtype=self.autocast_dtype)
 
     def forward_micro_batch(self, micro_batch, forward_step=None):
-        """(output, (loss, logs)) of one micro-batch through the train step's forward_step (or `forward_step`)."""
+        """(output, what the loss function returns) of one micro-batch through the train step's forward_step (or
+        `forward_step`): (loss, logs), or with calculate_per_token_loss (loss sum, token count, logs)."""
         forward_step = forward_step or self.train_step_handler.forward_step
         with self._autocast():
             output_tensor, loss_func = forward_step(iter([micro_batch]), self.model.module)
@@ -265,8 +268,8 @@ class MegatronEngine(torch.nn.Module):
         CUDA engine's schedule takes its shapes from it); here the micro-batches run one by one."""
         collected = []
         for mb in micro_batches:
-            _, (_, logs) = self.forward_micro_batch(mb, forward_step)
-            collected.append(logs)
+            _, result = self.forward_micro_batch(mb, forward_step)
+            collected.append(result[-1])
         return collected
 
     def gather_rows(self, collected, key) -> torch.Tensor:
@@ -338,6 +341,13 @@ class MegatronEngine(torch.nn.Module):
         self.check_ready("megatron_generate", swapped_ok=True)
         return megatron_generate(self, inputs, attention_mask, *args, **kwargs)
 
+    def save_pretrained(self, save_directory, **kwargs):
+        """HF's save_pretrained (engine/export.py): an HF checkpoint from_pretrained loads. Collective."""
+        from .export import save_pretrained
+
+        self.check_ready("save_pretrained")
+        return save_pretrained(self, save_directory, **kwargs)
+
     def iter_hf_weights(self, grads: bool = False):
         """(HF name, full tensor) of the whole model, one at a time, on every rank (collective: every rank
         of the replica consumes it to the end): for pushing weights into an inference engine after a step."""
@@ -352,8 +362,22 @@ class MegatronEngine(torch.nn.Module):
 
 
 def average_logs(collected: List[Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
-    """Mean over micro-batches of every scalar a loss function logged."""
+    """Every value a loss function logged, over the step's micro-batches: a scalar is averaged; a [sum, count]
+    pair (calculate_per_token_loss, Megatron-LM's reporting) is added up and logged as sum / count."""
     if not collected:
         return {}
-    keys = [k for k, v in collected[0].items() if torch.is_tensor(v) and v.dim() == 0]
-    return {k: torch.stack([c[k].detach().float() for c in collected]).mean() for k in keys}
+    out = {}
+    for k, v in collected[0].items():
+        if not torch.is_tensor(v):
+            continue
+        if v.dim() == 0:
+            out[k] = torch.stack([c[k].detach().float() for c in collected]).mean()
+        elif is_sum_and_count(v):
+            total, count = torch.stack([c[k].detach().float() for c in collected]).sum(0)
+            out[k] = total / count.clamp_min(1.0)
+    return out
+
+
+def is_sum_and_count(value) -> bool:
+    """A per-token log value: [sum, count] (train_steps.utils.sum_across_data_parallel_group)."""
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == 2

@@ -10,16 +10,40 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core import tensor_parallel
+from torch.nn.attention import SDPBackend, sdpa_kernel
 import torch.distributed as dist
 from megatron.core.transformer.attention import SelfAttention as McoreSelfAttention
-from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.enums import AttnBackend, AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+from ..errors import MegatronPluginConfigError
 from .comm import all_gather_last_dim
 from .context_parallel import check_context_parallel, gather_sequence
 from .masks import causal_mask
+
+
+# Megatron-Core's attention backends -> torch SDPA kernels (in order of preference); None: torch picks. TE's
+# 'fused' is its cuDNN fused attention: torch's cuDNN kernel, else its memory-efficient one; 'unfused' (TE's
+# unfused softmax) and 'local' (mcore's DotProductAttention) compute the scores and softmax apart: the math path.
+SDPA_KERNELS = {
+    AttnBackend.auto: None,
+    AttnBackend.flash: (SDPBackend.FLASH_ATTENTION,),
+    AttnBackend.fused: (SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION),
+    AttnBackend.unfused: (SDPBackend.MATH,),
+    AttnBackend.local: (SDPBackend.MATH,),
+}
+
+# what torch raises when none of the allowed kernels takes the inputs
+_NO_KERNEL = ("No available kernel", "No viable backend")
+
+
+def sdpa_kernels(config: TransformerConfig):
+    backend = getattr(config, "attention_backend", AttnBackend.auto)
+    if not isinstance(backend, AttnBackend):  # a name (other_megatron_args), as mcore's argparse takes it
+        backend = AttnBackend[str(backend).lower()] if not isinstance(backend, bool) else AttnBackend.auto
+    return SDPA_KERNELS[backend]
 
 
 def _rng_context(config: TransformerConfig, dropout_p: float):
@@ -62,6 +86,8 @@ class SDPAttention(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else self.head_dim**-0.5
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
         self.attention_type = attention_type
+        # the kernels config.attention_backend allows (None: torch's choice)
+        self.kernels = sdpa_kernels(config)
         # set by generation (megatron_plugin.generation.cache) while it decodes; None when training
         self.kv_cache = None
 
@@ -104,15 +130,27 @@ class SDPAttention(MegatronModule):
             is_causal = mask_type == AttnMaskType.causal and sq == key.shape[0]
         dropout_p = self.dropout_p if self.training else 0.0
         with _rng_context(self.config, dropout_p):
-            out = F.scaled_dot_product_attention(
-                q, k, v,
-                attn_mask=attn_mask,
-                dropout_p=dropout_p,
-                is_causal=is_causal,
-                scale=self.softmax_scale,
-                enable_gqa=self.groups != self.heads,
-            )
+            kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
+                          enable_gqa=self.groups != self.heads)
+            out = (F.scaled_dot_product_attention(q, k, v, **kwargs) if self.kernels is None
+                   else self._on_chosen_kernels(q, k, v, kwargs))
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+
+    def _on_chosen_kernels(self, q, k, v, kwargs):
+        try:
+            with sdpa_kernel(list(self.kernels), set_priority=True):
+                return F.scaled_dot_product_attention(q, k, v, **kwargs)
+        except RuntimeError as err:
+            if not any(m in str(err) for m in _NO_KERNEL):
+                raise
+            what = (f"{q.dtype} on {q.device.type}, head dim {q.shape[-1]}, "
+                    f"{'a mask or bias' if kwargs['attn_mask'] is not None else 'no mask'}, "
+                    f"dropout {kwargs['dropout_p']}")
+            raise MegatronPluginConfigError(
+                "attention_backend", getattr(self.config.attention_backend, "name", self.config.attention_backend),
+                f"torch's {'/'.join(kernel.name for kernel in self.kernels)} SDPA kernel cannot run this attention ({what}): "
+                "use 'auto' (torch picks a kernel that can), or 'unfused'",
+            ) from err
 
 
 class SelfAttention(McoreSelfAttention):

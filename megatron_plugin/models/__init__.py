@@ -2,6 +2,7 @@
 
 from ..errors import MegatronPluginConfigError
 from .family import ModelFamily
+from .fields import check_model_fields
 from .bert import BERT, MEGATRON_BERT
 from .gpt2 import GPT2
 from .llama import LLAMA, MISTRAL, QWEN2, QWEN3
@@ -44,10 +45,13 @@ def check_model(plugin, hf_config, world_size=None) -> ModelFamily:
         )
     if family.pipeline_note and plugin.pp_degree > 1:
         raise MegatronPluginConfigError("pp_degree", plugin.pp_degree, f"{family.name}: {family.pipeline_note}")
-    plugin.validate(world_size=world_size, num_layers=tc["num_layers"])
+    # an uneven last stage is checked by Megatron's rule (check_model_fields), not the even split's
+    uneven = getattr(plugin, "decoder_last_pipeline_num_layers", None) is not None
+    plugin.validate(world_size=world_size, num_layers=None if uneven else tc["num_layers"])
     from .gpt import transformer_config_overrides
 
     transformer_config_overrides(plugin.other_megatron_args, tc)
+    check_model_fields(plugin, hf_config, family)
     return family
 
 

@@ -21,6 +21,7 @@ from ..quiet import QUIET_CONFIG, quiet
 from ..plugin import MegatronLMPlugin
 from ..layers.spec import block_spec
 from .family import ModelFamily
+from .fields import config_fields
 from .gpt2 import gelu_tanh
 from .mapping import StagePlan
 
@@ -142,6 +143,8 @@ def build_transformer_config(
     if plugin.recompute_granularity == "full":
         fields.update(recompute_method=plugin.recompute_method, recompute_num_layers=plugin.recompute_num_layers)
     fields.update(transformer_config_overrides(plugin.other_megatron_args, architecture))
+    # after other_megatron_args: the plugin's model settings, merged with those keys (check_model_fields)
+    fields.update(config_fields(plugin))
     fields.update(overrides or {})
     with quiet(QUIET_CONFIG):
         return TransformerConfig(**fields)

@@ -240,9 +240,23 @@ class StagePlan:
         return cls(first=True, last=True, layer_offset=0, num_layers=num_layers)
 
     @classmethod
-    def for_rank(cls, num_layers: int, pp_size: int, pp_rank: int, vp_stage: int = 0, vp_size: int = 1) -> "StagePlan":
+    def for_rank(cls, num_layers: int, pp_size: int, pp_rank: int, vp_stage: int = 0, vp_size: int = 1,
+                 last_stage_layers: Optional[int] = None) -> "StagePlan":
         """Layers split evenly; with virtual stages, chunk `vp_stage` of rank r holds the layers of
-        global stage vp_stage * pp_size + r (Megatron's interleaved layout)."""
+        global stage vp_stage * pp_size + r (Megatron's interleaved layout). `last_stage_layers`
+        (decoder_last_pipeline_num_layers, mcore's num_layers_in_last_pipeline_stage): the last stage holds
+        that many layers, the others split the rest evenly, in order (mcore's get_transformer_layer_offset)."""
+        if last_stage_layers is not None and pp_size > 1:
+            if vp_size != 1:
+                raise ValueError("an uneven last pipeline stage is not mapped with virtual pipeline stages")
+            rest = num_layers - last_stage_layers
+            if last_stage_layers < 1 or rest < pp_size - 1 or rest % (pp_size - 1):
+                raise ValueError(f"{num_layers} layers with {last_stage_layers} on the last of {pp_size} stages "
+                                 "leave the others no even split")
+            per = rest // (pp_size - 1)
+            last = pp_rank == pp_size - 1
+            return cls(first=pp_rank == 0, last=last, layer_offset=pp_rank * per,
+                       num_layers=last_stage_layers if last else per)
         per = num_layers // (pp_size * vp_size)
         stage = vp_stage * pp_size + pp_rank
         return cls(first=stage == 0, last=stage == pp_size * vp_size - 1, layer_offset=stage * per, num_layers=per)
