@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-from typing import Optional
 
 import accelerate
 import torch
@@ -23,7 +22,7 @@ from .data.indexed import MegatronLMDummyDataLoader
 from .engine import checkpoint
 from .engine.data import prepare_megatron_dataloader
 from .engine.optimizer import MegatronLMOptimizerWrapper
-from .engine.scheduler import MegatronLMSchedulerWrapper
+from .engine.scheduler import MegatronLMDummyScheduler, MegatronLMSchedulerWrapper
 from .errors import MegatronPluginConfigError
 from .launch_config import check_launch
 from .plugin import MegatronLMPlugin
@@ -45,8 +44,19 @@ def _env(name, value):
             os.environ[name] = old
 
 
+def _from_accelerate(obj):
+    """accelerate's own MegatronLMDummyScheduler (a script written for its integration) as ours: the same
+    arguments. Anything else as it is."""
+    from accelerate.utils import MegatronLMDummyScheduler as AccelerateScheduler
+
+    if isinstance(obj, AccelerateScheduler):
+        return MegatronLMDummyScheduler(obj.optimizer, obj.total_num_steps, obj.warmup_num_steps, **obj.kwargs)
+    return obj
+
+
 class Accelerator(accelerate.Accelerator):
-    def __init__(self, *args, megatron_lm_plugin: Optional[MegatronLMPlugin] = None, **kwargs):
+    def __init__(self, *args, megatron_lm_plugin=None, **kwargs):
+        """`megatron_lm_plugin`: ours, or accelerate's `accelerate.utils.MegatronLMPlugin` (converted)."""
         use_megatron = megatron_lm_plugin is not None or os.environ.get(_ENV_FLAG, "false").lower() == "true"
         if not use_megatron:
             super().__init__(*args, **kwargs)
@@ -54,8 +64,10 @@ class Accelerator(accelerate.Accelerator):
             return
         if megatron_lm_plugin is None:
             megatron_lm_plugin = MegatronLMPlugin()
-        if not isinstance(megatron_lm_plugin, MegatronLMPlugin):
-            raise TypeError("megatron_lm_plugin must be a megatron_plugin.MegatronLMPlugin")
+        elif not isinstance(megatron_lm_plugin, MegatronLMPlugin):
+            # a script written for accelerate's integration: its plugin, field by field (from_accelerate says how
+            # accelerate's filled-in defaults are told from given values)
+            megatron_lm_plugin = MegatronLMPlugin.from_accelerate(megatron_lm_plugin)
         steps = kwargs.get("gradient_accumulation_steps", 1)
         plugin_steps = getattr(kwargs.get("gradient_accumulation_plugin"), "num_steps", 1)
         if steps != 1 or plugin_steps != 1:
@@ -85,6 +97,7 @@ class Accelerator(accelerate.Accelerator):
         the HF weights, the engine) -> wrap (what the script gets back, in the order it passed them)."""
         if self._megatron is None:
             return super().prepare(*args, device_placement=device_placement)
+        args = tuple(_from_accelerate(a) for a in args)
         inputs = Inputs.sort(args, self._megatron, already_prepared=self._engine is not None)
         spec = resolve(inputs, self._megatron, world_size=self.num_processes, device_type=self.device.type,
                        mixed_precision=self.mixed_precision, dynamo_plugin=getattr(self.state, "dynamo_plugin", None),
@@ -189,7 +202,8 @@ class Accelerator(accelerate.Accelerator):
             raise MegatronPluginConfigError("save_state(output_dir)", None, "pass the folder to save into")
         engine = self._prepared("save_state", ready=True)
         return checkpoint.save_state(
-            output_dir, engine, self._custom_objects, distributed_optimizer=self._megatron.use_distributed_optimizer
+            output_dir, engine, self._custom_objects, distributed_optimizer=self._megatron.use_distributed_optimizer,
+            format_name=getattr(engine.plugin, "ckpt_format", "torch_dist"),
         )
 
     def load_state(self, input_dir: str | None = None, **kwargs):

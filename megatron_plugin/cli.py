@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .errors import MegatronPluginConfigError
-from .plugin import (ENV_FIELDS, MegatronLMPlugin, check_compile, check_cpu_support, check_mixed_precision, parse_bool,
-                     parse_float, parse_int)
+from .plugin import (ENV_FIELDS, PARSERS, MegatronLMPlugin, check_compile, check_cpu_support, check_mixed_precision,
+                     parse_bool, parse_float, parse_int, parse_str)
 
 PRECISIONS = ("no", "fp16", "bf16")
 
@@ -77,6 +77,16 @@ FLAGS = {
 }
 
 
+# The other megatron_lm_* keys of accelerate's config (`accelerate launch` writes each into MEGATRON_LM_*): not
+# asked, as `accelerate config` does not ask them, but taken as flags of the same name and written to the YAML.
+ASKED = ("tp_degree", "pp_degree", "num_micro_batches", "gradient_clipping", "sequence_parallelism",
+         "recompute_activations", "use_distributed_optimizer")
+EXTRA_KEYS = {name: (f"megatron_lm_{env.lower()}", PARSERS[kind]) for name, (env, kind, _) in ENV_FIELDS.items()
+              if name not in ASKED}
+EXTRA_KEYS["recompute_granularity"] = ("megatron_lm_recompute_granularity", parse_str)
+FLAGS.update({name: f"--{name}" for name in EXTRA_KEYS})
+
+
 def _as_flags(err: MegatronPluginConfigError) -> MegatronPluginConfigError:
     return MegatronPluginConfigError(FLAGS.get(err.setting, err.setting), err.value, err.fix)
 
@@ -122,11 +132,9 @@ def plugin_from_answers(a: dict):
     settings = dict(tp_degree=a["tp"], pp_degree=a["pp"], num_micro_batches=a["num_micro_batches"],
                     gradient_clipping=a["gradient_clipping"], sequence_parallelism=a["sp"] and a["tp"] > 1,
                     recompute_activations=a["recompute"], use_distributed_optimizer=a["distributed_optimizer"])
+    settings.update(a.get("extra") or {})
     return checked_plugin(settings, a["num_processes"], a["cpu"], "inductor" if a.get("compile") else None,
                           a["mixed_precision"], FLAGS)
-
-
-_PARSE = {bool: parse_bool, int: parse_int, float: parse_float}
 
 
 def plugin_from_yaml(data: dict, path: str):
@@ -137,7 +145,7 @@ def plugin_from_yaml(data: dict, path: str):
     megatron = data.get("megatron_lm_config") or {}
     key = {name: f"megatron_lm_{env.lower()}" for name, (env, _, _) in ENV_FIELDS.items()}
     names = {name: f"megatron_lm_config.{k} in {path}" for name, k in key.items()}
-    settings = {name: _PARSE[kind](names[name], str(megatron[key[name]]))
+    settings = {name: PARSERS[kind](names[name], str(megatron[key[name]]))
                 for name, (_, kind, _) in ENV_FIELDS.items() if megatron.get(key[name]) is not None}
     if megatron.get("megatron_lm_recompute_granularity") is not None:
         settings["recompute_granularity"] = str(megatron["megatron_lm_recompute_granularity"]).strip().lower()
@@ -170,6 +178,7 @@ def to_yaml_dict(a: dict) -> dict:
             "megatron_lm_sequence_parallelism": bool(a["sp"] and a["tp"] > 1),
             "megatron_lm_tp_degree": a["tp"],
             "megatron_lm_use_distributed_optimizer": a["distributed_optimizer"],
+            **{EXTRA_KEYS[name][0]: value for name, value in (a.get("extra") or {}).items()},
         },
         "mixed_precision": a["mixed_precision"],
         "num_machines": 1,
@@ -204,6 +213,15 @@ def run_config(args, input_fn=input, print_fn=print) -> str:
             answers[q.key] = q.default
         else:
             answers[q.key] = ask(q, input_fn, print_fn)
+    extra = {}
+    for name, (_, parse) in EXTRA_KEYS.items():
+        given = getattr(args, name)
+        if given is not None:
+            try:
+                extra[name] = parse(FLAGS[name], given)
+            except MegatronPluginConfigError as err:
+                raise _as_flags(err) from None
+    answers["extra"] = extra
     plugin_from_answers(answers)
     path = args.config_file
     from .fs import check_writable
@@ -258,6 +276,11 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--num_processes", default=None)
     cfg.add_argument("--mixed_precision", default=None, choices=PRECISIONS)
     cfg.add_argument("--compile", default=None, help="compile the Megatron layers with torch.compile (GPU): yes/no")
+    more = cfg.add_argument_group("the other megatron_lm_* settings (not asked; MegatronLMPlugin's fields of the same "
+                                  "name, written to the YAML as megatron_lm_<name>)")
+    for name in EXTRA_KEYS:
+        field = MegatronLMPlugin.__dataclass_fields__[name]
+        more.add_argument(f"--{name}", default=None, help=field.metadata.get("help"))
     launch = sub.add_parser("launch", help="check a config YAML, then run `accelerate launch` with it")
     launch.add_argument("--config_file", required=True)
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="the training script and its arguments")

@@ -7,8 +7,10 @@ from a YAML through `accelerate launch`, or from our own questionnaire.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -67,6 +69,12 @@ def resolve_train_step_class(value):
                 f"cannot import it ({err}): pass the class itself, or an import path such as 'my_steps.MyTrainStep'",
             ) from None
     if not (isinstance(value, type) and any(f"{c.__module__}.{c.__qualname__}" == TRAIN_STEP_BASE for c in value.__mro__)):
+        if isinstance(value, type) and any(c.__module__ == "accelerate.utils.megatron_lm" for c in value.__mro__):
+            raise MegatronPluginConfigError(
+                "custom_train_step_class", value,
+                "it subclasses accelerate's train step, which runs on Megatron-LM: import its base from megatron_plugin "
+                "instead (from megatron_plugin import GPTTrainStep): the guide's custom steps then run unchanged",
+            )
         raise MegatronPluginConfigError(
             "custom_train_step_class", value,
             "pass a subclass of megatron_plugin.AbstractTrainStep (usually of GPTTrainStep), not an instance",
@@ -85,6 +93,7 @@ def parse_bool_or_str(setting: str, raw: str):
 
 
 _PARSERS = {bool: parse_bool, int: parse_int, float: parse_float, str: parse_str, "bool|str": parse_bool_or_str}
+PARSERS = _PARSERS  # the text parser of each ENV_FIELDS kind, for what reads the same settings from a YAML or flags
 
 # field name -> (environment variable, type, default when neither code nor environment sets it): every
 # `megatron_lm_*` key `accelerate launch` writes into the environment (accelerate's launch.py) is read here
@@ -117,8 +126,189 @@ ENV_FIELDS = {
     "use_rotary_position_embeddings": ("USE_ROTARY_POSITION_EMBEDDINGS", bool, None),
 }
 
+# Every field of accelerate's MegatronLMPlugin and what it does here: "honoured: <where> - <what>" (where: the
+# module, class or function that reads it, as an import path) or "refused: <why and what instead>". Refused
+# values raise MegatronPluginConfigError naming the field when the plugin is built (validate). A field of a
+# newer accelerate that is missing here fails tests/test_accelerate_fields.py; the README's migration table is
+# generated from this (`migration_table`).
+FIELD_STATUS = {
+    # parallel layout
+    "tp_degree": "honoured: megatron_plugin.engine.distributed.start - tensor parallel degree",
+    "pp_degree": "honoured: megatron_plugin.engine.distributed.start - pipeline parallel degree (CUDA engine)",
+    "num_micro_batches": "honoured: megatron_plugin.engine.base.MegatronEngine.micro_batches - micro-batches per "
+                         "step; the DataLoader's batch is cut into them (they replace gradient_accumulation_steps)",
+    "sequence_parallelism": "honoured: megatron_plugin.models.gpt.build_transformer_config - sequence parallelism "
+                            "(tp_degree > 1, CUDA engine)",
+    "num_layers_per_virtual_pipeline_stage": "honoured: megatron_plugin.plugin.MegatronLMPlugin.virtual_pipeline_stages"
+                                             " - interleaved 1F1B schedule",
+    "decoder_last_pipeline_num_layers": "honoured: megatron_plugin.models.mapping - layers of the last pipeline "
+                                        "stage; the others split the rest evenly",
+    "context_parallel_size": "refused: values > 1; context parallelism is not supported yet (issue 27) - use "
+                             "sequence_parallelism with tp_degree > 1 for long sequences",
+    "expert_model_parallel_size": "refused: values > 1; mixture-of-experts models are not supported yet (issue 26)",
+    "expert_tensor_parallel_size": "refused: values other than 1 or tp_degree; mixture-of-experts models are not "
+                                   "supported yet (issue 26)",
+    "pipeline_model_parallel_split_rank": "refused: any value; Megatron-Core removed it (encoder and decoder share "
+                                          "pipeline stages) - leave it unset, pp_degree splits T5 like any model",
+    "use_custom_fsdp": "refused: True; Megatron-Core's FSDP is not supported - use use_distributed_optimizer=True",
+    "use_distributed_optimizer": "honoured: megatron_plugin.engine.gpu.optimizer_config - Megatron-Core's "
+                                 "distributed optimizer (CUDA engine)",
+    # activation recomputation
+    "recompute_activations": "honoured: megatron_plugin.plugin.MegatronLMPlugin.__post_init__ - selective "
+                             "recomputation (recompute_granularity='selective'; CUDA engine)",
+    "recompute_granularity": "honoured: megatron_plugin.models.gpt.build_transformer_config - 'selective' or 'full' "
+                             "(accelerate's 'full' default applies only when set, as in Megatron-LM)",
+    "recompute_method": "honoured: megatron_plugin.models.gpt.build_transformer_config - 'uniform' or 'block' (full)",
+    "recompute_num_layers": "honoured: megatron_plugin.models.gpt.build_transformer_config - layers per recompute "
+                            "unit (full)",
+    # model
+    "seq_length": "honoured: megatron_plugin.build.megatron_args - megatron_args.seq_length for train steps; "
+                  "batches carry their own length",
+    "encoder_seq_length": "honoured: megatron_plugin.build.megatron_args - megatron_args.encoder_seq_length (T5); "
+                          "the sequence length of decoder-only models",
+    "decoder_seq_length": "honoured: megatron_plugin.build.megatron_args - megatron_args.decoder_seq_length (T5)",
+    "attention_dropout": "honoured: megatron_plugin.models.fields - default: the HF config's",
+    "hidden_dropout": "honoured: megatron_plugin.models.fields - default: the HF config's",
+    "attention_softmax_in_fp32": "honoured: megatron_plugin.models.fields - softmax in fp32",
+    "attention_backend": "honoured: megatron_plugin.models.fields - Megatron-Core's attention "
+                         "backend names; True means 'auto'",
+    "use_rotary_position_embeddings": "honoured: megatron_plugin.models.fields - must match the HF model's positions "
+                                      "(default: what the model uses)",
+    "other_megatron_args": "honoured: megatron_plugin.models.gpt.build_transformer_config - TransformerConfig "
+                           "fields; architecture fields must match the HF config",
+    # loss
+    "calculate_per_token_loss": "honoured: megatron_plugin.engine.base - every token weighs the same over "
+                                "micro-batches and data-parallel ranks (default False, Megatron's)",
+    "eod_mask_loss": "honoured: train_steps.gpt - no loss on end-of-document tokens",
+    "return_logits": "honoured: train_steps.gpt.GPTTrainStep.__init__ - logits in eval outputs",
+    # learning rate, weight decay, optimizer
+    "train_iters": "honoured: megatron_plugin.engine.scheduler - steps of the run (else the dummy scheduler's "
+                   "total_num_steps)",
+    "train_samples": "honoured: megatron_plugin.engine.scheduler - samples of the run, over the global batch",
+    "lr_decay_style": "honoured: megatron_plugin.engine.scheduler - 'constant', 'linear', 'cosine'",
+    "lr_decay_iters": "honoured: megatron_plugin.engine.scheduler - decay steps",
+    "lr_decay_samples": "honoured: megatron_plugin.engine.scheduler - decay samples",
+    "lr_warmup_iters": "honoured: megatron_plugin.engine.scheduler - warmup steps",
+    "lr_warmup_samples": "honoured: megatron_plugin.engine.scheduler - warmup samples",
+    "lr_warmup_fraction": "honoured: megatron_plugin.engine.scheduler - warmup as a fraction of decay",
+    "min_lr": "honoured: megatron_plugin.engine.scheduler - the learning rate after decay",
+    "weight_decay_incr_style": "honoured: megatron_plugin.engine.scheduler - 'constant', 'linear', 'cosine'",
+    "start_weight_decay": "honoured: megatron_plugin.engine.scheduler - weight decay at the start",
+    "end_weight_decay": "honoured: megatron_plugin.engine.scheduler - weight decay at the end",
+    "lr_mult": "honoured: megatron_plugin.engine.optimizer - learning-rate multiplier of scale_lr_cond's parameters",
+    "scale_lr_cond": "honoured: megatron_plugin.engine.optimizer - scale_lr_cond(name, param) picks them",
+    "no_wd_decay_cond": "honoured: megatron_plugin.engine.optimizer - no_wd_decay_cond(name, param): no weight decay",
+    "optimizer_cpu_offload": "honoured: megatron_plugin.engine.gpu - optimizer on the CPU (CUDA engine)",
+    "overlap_cpu_optimizer_d2h_h2d": "honoured: megatron_plugin.engine.gpu - with optimizer_cpu_offload",
+    "use_precision_aware_optimizer": "honoured: megatron_plugin.engine.gpu - Megatron-Core's precision-aware "
+                                     "optimizer (CUDA engine)",
+    "gradient_clipping": "honoured: megatron_plugin.engine.cpu.CPUEngine.clip_gradients - global L2 norm "
+                         "(engine.gpu.optimizer_config on CUDA); 0 disables",
+    # checkpoints
+    "no_load_optim": "honoured: megatron_plugin.engine.checkpointing.state - load_state skips the optimizer state",
+    "no_save_optim": "honoured: megatron_plugin.engine.checkpointing.state - save_state writes no optimizer state",
+    # data
+    "megatron_dataset_flag": "honoured: megatron_plugin.resolve.resolve - set for you when a "
+                             "MegatronLMDummyDataLoader is passed to prepare",
+    "is_train_batch_min": "honoured: megatron_plugin.engine.data.micro_batch_size - the micro-batch of train plus eval loaders",
+    "consumed_samples": "honoured: megatron_plugin.data.indexed - samples already read, for indexed datasets",
+    "eval_iters": "honoured: megatron_plugin.data.indexed.MegatronLMDummyDataLoader.check_for - evaluation batches",
+    "eval_interval": "honoured: megatron_plugin.data.indexed.MegatronLMDummyDataLoader.check_for - steps between "
+                     "evaluations",
+    # logging
+    "tensorboard_dir": "honoured: megatron_plugin.engine.tensorboard.TensorBoardLogger - scalars per step (needs "
+                       "pip install tensorboard)",
+    "set_all_logging_options": "honoured: megatron_plugin.engine.tensorboard.TensorBoardLogger - also parameter "
+                               "norm and memory",
+    # Megatron-LM's hooks
+    "custom_train_step_class": "honoured: megatron_plugin.resolve.resolve_step - subclass megatron_plugin's "
+                               "GPTTrainStep (the guide's steps run unchanged)",
+    "custom_train_step_kwargs": "honoured: megatron_plugin.resolve.resolve_step - keyword arguments of the class",
+    "custom_get_batch_function": "honoured: megatron_plugin.resolve.with_custom_functions - the train step's "
+                                 "get_batch(data_iterator)",
+    "custom_loss_function": "honoured: megatron_plugin.resolve.with_custom_functions - the train step's "
+                            "loss_func(loss_mask, output_tensor) -> (loss, logs)",
+    "custom_model_provider_function": "honoured: megatron_plugin.models.modeling.MegatronModel.chunks_from_provider - "
+                                      "model_provider(pre_process, post_process) builds the module instead of the HF "
+                                      "weights; HF export needs our family's module",
+    "custom_prepare_model_function": "honoured: megatron_plugin.models.modeling.MegatronModel.chunks_from_provider - "
+                                     "prepare_model(model_provider) -> the model chunks",
+    "custom_megatron_datasets_provider_function": "honoured: megatron_plugin.build.indexed_iterators - "
+                                                  "provider(train_val_test_num_samples) -> train, valid, test "
+                                                  "datasets for MegatronLMDummyDataLoader",
+}
+
+
+def field_status(name: str):
+    """(kind, where, what) of a FIELD_STATUS entry: kind 'honoured' or 'refused'; where the import path of
+    what reads the field (None when refused)."""
+    kind, _, rest = FIELD_STATUS[name].partition(": ")
+    if kind == "honoured":
+        where, _, what = rest.partition(" - ")
+        return kind, where, what
+    return kind, None, rest
+
+
+def config_key(name: str) -> Optional[str]:
+    """The accelerate config key (megatron_lm_config in the YAML) that sets the field, if there is one."""
+    if name == "recompute_granularity":
+        return "megatron_lm_recompute_granularity"
+    return f"megatron_lm_{ENV_FIELDS[name][0].lower()}" if name in ENV_FIELDS else None
+
+
+def migration_table() -> str:
+    """The README's migration table (markdown), one row per field of accelerate's MegatronLMPlugin."""
+    rows = ["| accelerate field | config key | here |", "| --- | --- | --- |"]
+    for name in FIELD_STATUS:
+        kind, where, what = field_status(name)
+        key = config_key(name)
+        here = f"same meaning: {what}" if kind == "honoured" else f"**refused** {what}"
+        rows.append(f"| `{name}` | {f'`{key}`' if key else ''} | {here} |")
+    return "\n".join(rows) + "\n"
+
+
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
+DECAY_STYLES = ("constant", "linear", "cosine")
+CKPT_FORMATS = ("torch_dist", "megatron_plugin")
+# Megatron-Core's AttnBackend names (megatron/core/transformer/enums.py); accelerate's bool means 'auto' or not
+ATTENTION_BACKENDS = ("auto", "flash", "fused", "unfused", "local")
+
+# whole-number settings: (lowest value, what it counts); None means unset
+_COUNTS = {
+    "recompute_num_layers": 1, "num_layers_per_virtual_pipeline_stage": 1, "seq_length": 1,
+    "encoder_seq_length": 1, "decoder_seq_length": 1, "decoder_last_pipeline_num_layers": 1,
+    "context_parallel_size": 1, "expert_model_parallel_size": 1, "expert_tensor_parallel_size": 1,
+    "train_iters": 1, "train_samples": 1, "lr_decay_iters": 1, "lr_decay_samples": 1,
+    "lr_warmup_iters": 0, "lr_warmup_samples": 0, "eval_iters": 0, "eval_interval": 1,
+    "seed": 0,
+}
+# probabilities in [0, 1): None means "the HF config's" (dropouts) or unset
+_FRACTIONS = ("lr_warmup_fraction", "attention_dropout", "hidden_dropout")
+# non-negative numbers
+_NON_NEGATIVE = ("min_lr", "start_weight_decay", "end_weight_decay")
+_SWITCHES = (
+    "sequence_parallelism", "recompute_activations", "use_distributed_optimizer", "use_custom_fsdp", "no_load_optim",
+    "no_save_optim", "eod_mask_loss", "optimizer_cpu_offload", "overlap_cpu_optimizer_d2h_h2d",
+    "use_precision_aware_optimizer", "attention_softmax_in_fp32", "calculate_per_token_loss", "is_train_batch_min",
+    "set_all_logging_options", "megatron_dataset_flag", "return_logits", "fused_kernels", "torch_compile",
+)
+_OPTIONAL_SWITCHES = ("use_rotary_position_embeddings",)
+_CALLABLES = ("scale_lr_cond", "no_wd_decay_cond", "custom_model_provider_function", "custom_prepare_model_function",
+              "custom_megatron_datasets_provider_function", "custom_get_batch_function", "custom_loss_function")
+
+
+def _same_value(a, b) -> bool:
+    """Equal as settings: 0 and 0.0 are, True and 1 are not."""
+    if a is b:
+        return True
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, numbers.Number) and isinstance(b, numbers.Number):
+        return a == b
+    if callable(a) or callable(b):
+        return False
+    return type(a) is type(b) and a == b
 
 
 @dataclass
@@ -199,23 +389,23 @@ class MegatronLMPlugin:
     )
     # --- the rest of accelerate's MegatronLMPlugin, by its names and with Megatron-LM's meaning ---
     # parallel layout
-    context_parallel_size: Optional[int] = field(default=None, metadata={"help": "context parallel degree: split each sequence over this many ranks (default 1)"})
-    expert_model_parallel_size: Optional[int] = field(default=None, metadata={"help": "expert parallel degree for MoE layers (default 1)"})
-    expert_tensor_parallel_size: Optional[int] = field(default=None, metadata={"help": "tensor parallel degree inside experts (default: tp_degree)"})
+    context_parallel_size: Optional[int] = field(default=None, metadata={"help": "context parallel degree; only 1 runs today (context parallelism: issue 27)"})
+    expert_model_parallel_size: Optional[int] = field(default=None, metadata={"help": "expert parallel degree for MoE layers; only 1 runs today (MoE: issue 26)"})
+    expert_tensor_parallel_size: Optional[int] = field(default=None, metadata={"help": "tensor parallel degree inside experts; unset, 1 or tp_degree (MoE: issue 26)"})
     decoder_last_pipeline_num_layers: Optional[int] = field(default=None, metadata={"help": "layers on the last pipeline stage; the others split the rest evenly (default: an even split)"})
-    pipeline_model_parallel_split_rank: Optional[int] = field(default=None, metadata={"help": "Megatron-LM's encoder/decoder pipeline split (removed from Megatron-Core)"})
-    use_custom_fsdp: Optional[bool] = field(default=None, metadata={"help": "Megatron-Core's FSDP instead of DDP"})
+    pipeline_model_parallel_split_rank: Optional[int] = field(default=None, metadata={"help": "Megatron-LM's encoder/decoder pipeline split: refused, Megatron-Core removed it"})
+    use_custom_fsdp: Optional[bool] = field(default=None, metadata={"help": "Megatron-Core's FSDP: refused (not supported); use use_distributed_optimizer=True"})
     # model
     attention_dropout: Optional[float] = field(default=None, metadata={"help": "dropout of attention probabilities (default: the HF config's)"})
     hidden_dropout: Optional[float] = field(default=None, metadata={"help": "dropout after attention and MLP (default: the HF config's)"})
     attention_softmax_in_fp32: Optional[bool] = field(default=None, metadata={"help": "compute the attention softmax in fp32 (default True)"})
-    attention_backend: Optional[object] = field(default=None, metadata={"help": "Megatron-LM's --attention-backend: 'auto' (default; True means the same) picks the kernel"})
+    attention_backend: Optional[object] = field(default=None, metadata={"help": "Megatron-LM's --attention-backend for our SDPA attention: 'auto' (default; True/False too) lets torch pick the kernel, 'flash' torch's flash kernel, 'fused' cuDNN else memory-efficient (CUDA), 'unfused'/'local' the math path"})
     use_rotary_position_embeddings: Optional[bool] = field(default=None, metadata={"help": "rotary position embeddings; default: what the HF model uses"})
     encoder_seq_length: Optional[int] = field(default=None, metadata={"help": "encoder sequence length (T5); for decoder-only models, the sequence length"})
     decoder_seq_length: Optional[int] = field(default=None, metadata={"help": "decoder sequence length (T5)"})
     # loss
     calculate_per_token_loss: Optional[bool] = field(default=None, metadata={"help": "weight each token equally over micro-batches and data-parallel ranks: the loss over the global batch, as HF computes it (default False: the mean of micro-batch means)"})
-    eod_mask_loss: Optional[bool] = field(default=None, metadata={"help": "leave end-of-document (eos) tokens out of the loss"})
+    eod_mask_loss: Optional[bool] = field(default=None, metadata={"help": "no loss for the token predicted at an end-of-document (eos) input token (Megatron's loss_mask[tokens == eod] = 0)"})
     # schedule and optimizer
     train_iters: Optional[int] = field(default=None, metadata={"help": "optimizer steps of the whole run (or train_samples)"})
     train_samples: Optional[int] = field(default=None, metadata={"help": "samples of the whole run; steps = train_samples / global batch"})
@@ -227,17 +417,17 @@ class MegatronLMPlugin:
     end_weight_decay: Optional[float] = field(default=None, metadata={"help": "weight decay at the end (default: the optimizer's)"})
     weight_decay_incr_style: str = field(default="constant", metadata={"help": "'constant', 'linear' or 'cosine' from start_ to end_weight_decay"})
     lr_mult: float = field(default=1.0, metadata={"help": "learning-rate multiplier for the parameters scale_lr_cond selects"})
-    scale_lr_cond: Optional[Callable] = field(default=None, metadata={"help": "scale_lr_cond(name, param) -> bool: these parameters get lr * lr_mult"})
-    no_wd_decay_cond: Optional[Callable] = field(default=None, metadata={"help": "no_wd_decay_cond(name, param) -> bool: these parameters get no weight decay"})
-    optimizer_cpu_offload: Optional[bool] = field(default=None, metadata={"help": "keep optimizer states and step on the CPU (Megatron-Core's hybrid optimizer)"})
+    scale_lr_cond: Optional[Callable] = field(default=None, metadata={"help": "scale_lr_cond(name, param) -> bool, with Megatron-Core parameter names (decoder.layers.0.mlp.linear_fc1.weight): these parameters get lr * lr_mult"})
+    no_wd_decay_cond: Optional[Callable] = field(default=None, metadata={"help": "no_wd_decay_cond(name, param) -> bool, with Megatron-Core parameter names: when given it decides for every parameter (True: no weight decay; False: the optimizer's)"})
+    optimizer_cpu_offload: Optional[bool] = field(default=None, metadata={"help": "keep optimizer states and step on the CPU (Megatron-Core's hybrid optimizer; CUDA needs AdamW and use_distributed_optimizer=True; the CPU engine's optimizer is there already)"})
     overlap_cpu_optimizer_d2h_h2d: Optional[bool] = field(default=None, metadata={"help": "with optimizer_cpu_offload: overlap the gradient and parameter copies with the step"})
-    use_precision_aware_optimizer: Optional[bool] = field(default=None, metadata={"help": "Megatron-Core's precision-aware optimizer (bf16 states, fp32 master weights inside)"})
+    use_precision_aware_optimizer: Optional[bool] = field(default=None, metadata={"help": "Megatron-Core's precision-aware optimizer (needs Transformer Engine, AdamW and use_distributed_optimizer=True)"})
     # checkpoints
     no_load_optim: Optional[bool] = field(default=None, metadata={"help": "load_state reads the weights (and schedule) but not the optimizer state"})
     no_save_optim: Optional[bool] = field(default=None, metadata={"help": "save_state writes no optimizer state"})
     ckpt_format: str = field(default="torch_dist", metadata={"help": "save_state's format: 'torch_dist' (Megatron-LM's layout and megatron-core's dist_checkpointing) or 'megatron_plugin' (safetensors per rank)"})
     # data
-    is_train_batch_min: bool = field(default=True, metadata={"help": "with train and eval loaders, the micro-batch is the smaller of their batch sizes (else the train one)"})
+    is_train_batch_min: bool = field(default=True, metadata={"help": "the micro-batch is the smallest of the loaders' batch sizes (False: the largest), and every loader is re-batched to it, as accelerate does"})
     consumed_samples: Optional[list] = field(default=None, metadata={"help": "[train, valid, test] samples already consumed, for Megatron indexed datasets"})
     # logging
     tensorboard_dir: Optional[str] = field(default=None, metadata={"help": "write TensorBoard scalars (loss, learning rate, grad norm, ...) here"})
@@ -301,12 +491,14 @@ class MegatronLMPlugin:
             raise MegatronPluginConfigError(
                 "make_vocab_size_divisible_by", self.make_vocab_size_divisible_by, "use a whole number >= 1, e.g. 128"
             )
-        if self.lr_decay_style not in ("constant", "linear", "cosine"):
+        if self.lr_decay_style not in DECAY_STYLES:
             raise MegatronPluginConfigError("lr_decay_style", self.lr_decay_style, "use 'constant', 'linear' or 'cosine'")
+        self._validate_accelerate_fields()
         if world_size is not None and world_size < 1:
             raise MegatronPluginConfigError("num_processes", world_size, "launch at least one process")
         if world_size is not None:
-            model_parallel = self.tp_degree * self.pp_degree
+            # Megatron's grid: TP x CP x PP ranks hold one model replica, DP replicas fill the world
+            model_parallel = self.tp_degree * self.pp_degree * self.context_parallel_size
             if world_size % model_parallel:
                 raise MegatronPluginConfigError(
                     "tp_degree*pp_degree",
@@ -324,6 +516,95 @@ class MegatronLMPlugin:
                 )
         return self
 
+    def _validate_accelerate_fields(self):
+        """Types and ranges of the settings accelerate's plugin has, and the refusals of what cannot run here
+        (FIELD_STATUS says why, and what to use instead)."""
+        for name, low in _COUNTS.items():
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low):
+                raise MegatronPluginConfigError(name, value, f"use a whole number >= {low}, or leave it unset (None)")
+        for name in _FRACTIONS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                      or not 0 <= value < 1):
+                raise MegatronPluginConfigError(name, value, "use a fraction in [0, 1), or leave it unset (None)")
+        for name in _NON_NEGATIVE:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                                      or not math.isfinite(value) or value < 0):
+                raise MegatronPluginConfigError(name, value, "use a finite number >= 0")
+        lr_mult = self.lr_mult
+        if isinstance(lr_mult, bool) or not isinstance(lr_mult, numbers.Real) or not math.isfinite(lr_mult) or lr_mult < 0:
+            raise MegatronPluginConfigError("lr_mult", lr_mult, "use a finite number >= 0 (1.0 leaves the learning rate as it is; 0 freezes scale_lr_cond's parameters)")
+        for name in _SWITCHES:
+            if not isinstance(getattr(self, name), bool):
+                raise MegatronPluginConfigError(name, getattr(self, name), "use True or False")
+        for name in _OPTIONAL_SWITCHES:
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise MegatronPluginConfigError(name, getattr(self, name), "use True, False, or None (what the HF model does)")
+        for name in _CALLABLES:
+            if getattr(self, name) is not None and not callable(getattr(self, name)):
+                raise MegatronPluginConfigError(name, getattr(self, name), "pass a function (or leave it None)")
+        if self.weight_decay_incr_style not in DECAY_STYLES:
+            raise MegatronPluginConfigError("weight_decay_incr_style", self.weight_decay_incr_style,
+                                            "use 'constant', 'linear' or 'cosine'")
+        if self.ckpt_format not in CKPT_FORMATS:
+            raise MegatronPluginConfigError("ckpt_format", self.ckpt_format, f"use one of {CKPT_FORMATS}")
+        backend = self.attention_backend
+        if not (isinstance(backend, bool) or backend in ATTENTION_BACKENDS):
+            raise MegatronPluginConfigError("attention_backend", backend,
+                                            f"use True/False (accelerate's) or one of {ATTENTION_BACKENDS}")
+        if self.tensorboard_dir is not None and not isinstance(self.tensorboard_dir, (str, os.PathLike)):
+            raise MegatronPluginConfigError("tensorboard_dir", self.tensorboard_dir, "pass a folder path (str)")
+        consumed = self.consumed_samples
+        if consumed is not None and (not isinstance(consumed, (list, tuple)) or not 1 <= len(consumed) <= 3 or any(
+                isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 0 for n in consumed)):
+            raise MegatronPluginConfigError("consumed_samples", consumed,
+                                            "pass [train, valid, test] samples already consumed: up to 3 whole numbers >= 0")
+        # Megatron-LM's own exclusions (megatron/training/arguments.py validate_args)
+        for a, b in (("train_iters", "train_samples"), ("lr_warmup_iters", "lr_warmup_samples"),
+                     ("lr_warmup_fraction", "lr_warmup_iters"), ("lr_warmup_fraction", "lr_warmup_samples")):
+            if getattr(self, a) and getattr(self, b):
+                raise MegatronPluginConfigError(f"{a} and {b}", (getattr(self, a), getattr(self, b)),
+                                                "they say the same thing in two ways: set one of them")
+        if self.custom_prepare_model_function is not None and self.custom_model_provider_function is None:
+            raise MegatronPluginConfigError(
+                "custom_prepare_model_function", self.custom_prepare_model_function,
+                "it builds the model chunks from custom_model_provider_function: set that too (as accelerate requires)",
+            )
+        self._refuse_unsupported()
+
+    def _refuse_unsupported(self):
+        """Settings of accelerate's plugin whose feature does not run here (see FIELD_STATUS)."""
+        if self.context_parallel_size > 1:
+            raise MegatronPluginConfigError(
+                "context_parallel_size", self.context_parallel_size,
+                "context parallelism is not supported yet (issue 27): runs use context_parallel_size=1; for long "
+                "sequences use sequence_parallelism=True with tp_degree > 1, and recompute_activations",
+            )
+        if self.expert_model_parallel_size > 1:
+            raise MegatronPluginConfigError(
+                "expert_model_parallel_size", self.expert_model_parallel_size,
+                "mixture-of-experts models are not supported yet (issue 26): leave it at 1",
+            )
+        if self.expert_tensor_parallel_size not in (None, 1, self.tp_degree):
+            raise MegatronPluginConfigError(
+                "expert_tensor_parallel_size", self.expert_tensor_parallel_size,
+                f"mixture-of-experts models are not supported yet (issue 26): leave it unset, 1 or tp_degree={self.tp_degree}",
+            )
+        if self.pipeline_model_parallel_split_rank is not None:
+            raise MegatronPluginConfigError(
+                "pipeline_model_parallel_split_rank", self.pipeline_model_parallel_split_rank,
+                "Megatron-Core removed it (encoder and decoder share pipeline stages now): leave it unset; pp_degree "
+                "splits T5's layers as it does any model's",
+            )
+        if self.use_custom_fsdp:
+            raise MegatronPluginConfigError(
+                "use_custom_fsdp", True,
+                "Megatron-Core's FSDP is not supported: set use_custom_fsdp=False and shard the optimizer state and "
+                "gradients with use_distributed_optimizer=True",
+            )
+
     def virtual_pipeline_stages(self, num_layers: int) -> Optional[int]:
         n = self.num_layers_per_virtual_pipeline_stage
         if n is None:
@@ -336,9 +617,38 @@ class MegatronLMPlugin:
             )
         return per_stage // n
 
-    def data_parallel_size(self, world_size: int) -> int:
-        self.validate(world_size=world_size)
-        return world_size // (self.tp_degree * self.pp_degree)
+    @classmethod
+    def from_accelerate(cls, plugin) -> "MegatronLMPlugin":
+        """Ours, from an `accelerate.utils.MegatronLMPlugin`, field by field (every accelerate field has our
+        name and Megatron-LM's meaning; `FIELD_STATUS` says what each does here).
+
+        accelerate's `__post_init__` fills what was not given with defaults that are not Megatron's
+        (context_parallel_size=2, recompute_granularity='full' without recompute_activations,
+        calculate_per_token_loss=True, attention_backend=True, use_rotary_position_embeddings=True,
+        attention_dropout=hidden_dropout=0.0, ...), and afterwards a filled value cannot be told from a given
+        one. So a field whose value equals what a no-argument accelerate `MegatronLMPlugin()` holds under the
+        same environment is taken as unset: ours then reads the environment (`MEGATRON_LM_*`) or takes its own
+        default. A value given in code that happens to equal accelerate's default (say
+        `context_parallel_size=2`) is therefore read as unset too: pass such values to our plugin directly."""
+        from accelerate.utils import MegatronLMPlugin as AcceleratePlugin
+
+        if not isinstance(plugin, AcceleratePlugin):
+            raise MegatronPluginConfigError("megatron_lm_plugin", type(plugin).__name__,
+                                            "pass an accelerate.utils.MegatronLMPlugin or a megatron_plugin.MegatronLMPlugin")
+        untouched = AcceleratePlugin()
+        ours = {f.name for f in dataclasses.fields(cls)}
+        given = {}
+        for f in dataclasses.fields(AcceleratePlugin):
+            value = getattr(plugin, f.name)
+            if _same_value(value, getattr(untouched, f.name)):
+                continue
+            if f.name not in ours:  # a field of a newer accelerate than this table was written for
+                raise MegatronPluginConfigError(
+                    f.name, value, "this accelerate field is unknown to megatron_plugin: leave it unset, or use "
+                    "megatron_plugin.MegatronLMPlugin's own settings (see FIELD_STATUS / the README's migration table)",
+                )
+            given[f.name] = dict(value) if isinstance(value, dict) else list(value) if isinstance(value, list) else value
+        return cls(**given)
 
 
 # Plugin settings the CPU engine cannot honour: each rests on a Megatron-Core piece that is CUDA-only.

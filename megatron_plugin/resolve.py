@@ -7,8 +7,8 @@ check of user input happens here, once, on every rank alike, so bad input fails 
 first collective and the rest of `prepare` (build, wrap) only reads the spec.
 
 The user's plugin is never written: the spec holds a resolved copy (`RunSpec.plugin`, what
-`accelerator.state.megatron_lm_plugin` shows after `prepare`, with `micro_batch_size` and
-`global_batch_size` as accelerate's integration has them).
+`accelerator.state.megatron_lm_plugin` shows after `prepare`, with `data_parallel_size`, `micro_batch_size`
+and `global_batch_size` as ints, as accelerate's integration has them).
 """
 
 from __future__ import annotations
@@ -27,10 +27,11 @@ import train_steps
 
 from . import patches
 from .data.indexed import MegatronLMDummyDataLoader
-from .engine.data import check_dataloader
+from .engine.data import check_dataloader, micro_batch_size
 from .engine.hf_io import HFReader
-from .engine.optimizer import check_optimizer, trainable_flags
+from .engine.optimizer import check_optimizer, check_optimizer_fields, trainable_flags
 from .engine.scheduler import MegatronLMDummyScheduler, check_scheduler
+from .engine.tensorboard import check_tensorboard
 from .errors import MegatronPluginConfigError
 from .fs import check_writable
 from .models import ModelFamily, check_model
@@ -206,6 +207,24 @@ def resolve_step(plugin: MegatronLMPlugin, family: ModelFamily, variant: str, hf
     return step_cls
 
 
+def with_custom_functions(step_cls: type, plugin: MegatronLMPlugin) -> type:
+    """The train step class with the plugin's `custom_get_batch_function` / `custom_loss_function` in place of
+    its own, as accelerate's train steps take them: `get_batch(data_iterator)` returns what the step's
+    forward_step unpacks (for GPT, accelerate's tuple: tokens, labels, loss_mask, attention_mask [True =
+    masked], position_ids), and `loss_func(loss_mask, output_tensor)` returns (loss, {name: value averaged over
+    data-parallel ranks}). A step that builds its functions through get_batch_func / get_loss_func, as the
+    guide's and ours do, picks them up; the class itself is left as it was."""
+    get_batch, loss_func = plugin.custom_get_batch_function, plugin.custom_loss_function
+    if get_batch is None and loss_func is None:
+        return step_cls
+    attrs = {"__module__": step_cls.__module__, "__doc__": step_cls.__doc__}
+    if get_batch is not None:
+        attrs["get_batch_func"] = lambda self, *args, **kwargs: get_batch
+    if loss_func is not None:
+        attrs["get_loss_func"] = lambda self, *args, **kwargs: loss_func
+    return type(step_cls.__name__, (step_cls,), attrs)
+
+
 def _resolved_plugin(plugin: MegatronLMPlugin, **values) -> MegatronLMPlugin:
     """A copy of the user's plugin with what prepare decided; the user's object stays as it was."""
     out = copy.copy(plugin)
@@ -238,19 +257,27 @@ def resolve(inputs: Inputs, plugin: MegatronLMPlugin, *, world_size: int, device
     num_layers = family.num_layers(hf_model.config)
     dp = world_size // (plugin.tp_degree * plugin.pp_degree)
     fusion = resolve_fusion(plugin, device_type, compile_kwargs)
-    micro = max([dl.batch_size or 0 for dl in inputs.loaders] + [m.micro_batch_size for m in inputs.indexed])
+    micro = micro_batch_size(inputs.loaders, inputs.indexed, plugin)
+    # as accelerate's resolved plugin has them after prepare (its set_training_args)
     resolved = _resolved_plugin(plugin, gradient_accumulation_fusion=fusion, megatron_dataset_flag=bool(inputs.indexed),
-                                micro_batch_size=micro, global_batch_size=micro * plugin.num_micro_batches * dp)
+                                data_parallel_size=dp, micro_batch_size=micro,
+                                global_batch_size=micro * plugin.num_micro_batches * dp)
+    check_tensorboard(resolved)
     for dl in inputs.loaders:
         check_dataloader(dl, resolved, dp)
+    check_scheduler(inputs.scheduler, resolved)  # sample counts need the global batch
+    check_optimizer_fields(resolved, inputs.optimizer, device_type)
     variant = family.variant_of(hf_model)
     data_sizes = inputs.indexed[0].check_for(hf_model.config, family, resolved, inputs.scheduler,
                                              len(inputs.indexed)) if inputs.indexed else None
-    step_class = resolve_step(resolved, family, variant, hf_model)
-    # the optimizer holds every trainable parameter (applied per chunk once they exist)
-    trainable_flags(hf_model, inputs.optimizer,
-                    mcore_to_hf_sources(family, hf_model.config, StagePlan.single(num_layers), variant))
-    reader = weights_reader(hf_model, resolved, family, variant)
+    step_class = with_custom_functions(resolve_step(resolved, family, variant, hf_model), resolved)
+    if plugin.custom_model_provider_function is None:
+        # the optimizer holds every trainable parameter (applied per chunk once they exist)
+        trainable_flags(hf_model, inputs.optimizer,
+                        mcore_to_hf_sources(family, hf_model.config, StagePlan.single(num_layers), variant))
+        reader = weights_reader(hf_model, resolved, family, variant)
+    else:  # the provider's modules carry their own weights and trainable flags
+        reader = None
     if project_dir:
         check_writable(project_dir, "ProjectConfiguration.project_dir")
     return RunSpec(

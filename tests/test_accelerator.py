@@ -1,8 +1,10 @@
 """megatron_plugin.Accelerator: bad input is refused before any process group exists; eval mode
-returns HF's loss and logits; main_process_first and wait_for_everyone order the ranks."""
+returns HF's loss and logits; main_process_first and wait_for_everyone order the ranks; accelerate's own
+plugin is taken; TensorBoard gets each step's scalars; unwrap_model(model).save_pretrained writes HF."""
 
 import copy
 
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -97,7 +99,8 @@ def _eval_worker():
         # the default (None) resolves at prepare, into the accelerator's copy of the plugin (the user's stays
         # as it was); the fused weight-gradient GEMM is CUDA-only
         "wgrad_fusion": (plugin.gradient_accumulation_fusion, acc.state.megatron_lm_plugin.gradient_accumulation_fusion,
-                         any(m.config.gradient_accumulation_fusion for m in engine.modules() if hasattr(m, "config"))),
+                         any(getattr(m.config, "gradient_accumulation_fusion", False)  # engine.config is the HF one
+                             for m in engine.modules() if hasattr(m, "config"))),
     }
 
 
@@ -150,3 +153,142 @@ def test_main_process_first_and_wait_for_everyone_order_the_ranks(tmp_path):
     main, other = results[1], results[0]
     assert main[1] is False and other[1] is True  # the other rank entered after the main one left
     assert other[2] and main[2]  # nobody left the barrier before the main rank wrote
+
+
+def _accelerate_plugin_worker(which):
+    """Train 3 steps with accelerate's own MegatronLMPlugin, or ours with the same settings."""
+    from accelerate.utils import MegatronLMDummyScheduler as AccelerateScheduler
+    from accelerate.utils import MegatronLMPlugin as AcceleratePlugin
+
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+    kwargs = dict(tp_degree=2, num_micro_batches=2, gradient_clipping=0.5)
+    plugin = AcceleratePlugin(**kwargs) if which == "accelerate" else MegatronLMPlugin(**kwargs)
+    scheduler = AccelerateScheduler if which == "accelerate" else MegatronLMDummyScheduler
+    model = tiny_gpt2()
+    opt = optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=plugin)
+    engine, opt, sched, loader = acc.prepare(model, opt, scheduler(opt, total_num_steps=3, warmup_num_steps=1),
+                                             DataLoader(token_dataset(12, model.config.vocab_size), batch_size=2))
+    resolved = acc.state.megatron_lm_plugin
+    engine.train()
+    losses, lrs = [], []
+    for batch, _ in zip(loader, range(3)):
+        losses.append(engine(**batch).loss.item())
+        lrs.append(sched.get_last_lr()[0])
+    return losses + lrs, type(resolved).__module__, {k: getattr(resolved, k) for k in (
+        "tp_degree", "num_micro_batches", "gradient_clipping", "context_parallel_size", "recompute_granularity",
+        "data_parallel_size", "micro_batch_size", "global_batch_size")}
+
+
+def test_accelerate_plugin_is_taken_and_trains_like_ours():
+    """`Accelerator(megatron_lm_plugin=accelerate.utils.MegatronLMPlugin(...))` converts it (and accelerate's
+    MegatronLMDummyScheduler): the same run, losses and learning rates, as with ours; after prepare the resolved
+    plugin has accelerate's data_parallel_size / micro_batch_size / global_batch_size, as ints."""
+    theirs = run_on_ranks(_accelerate_plugin_worker, 2, "accelerate")
+    ours = run_on_ranks(_accelerate_plugin_worker, 2, "ours")
+    for (a_losses, a_module, a_plugin), (o_losses, o_module, o_plugin) in zip(theirs, ours):
+        assert a_module == o_module == "megatron_plugin.plugin"
+        assert a_losses == o_losses and len(a_losses) == 6
+        assert a_plugin == o_plugin == {"tp_degree": 2, "num_micro_batches": 2, "gradient_clipping": 0.5,
+                                        "context_parallel_size": 1, "recompute_granularity": None,
+                                        "data_parallel_size": 1, "micro_batch_size": 2, "global_batch_size": 4}
+        assert all(type(a_plugin[k]) is int for k in ("data_parallel_size", "micro_batch_size", "global_batch_size"))
+
+
+def _tensorboard_worker(log_dir):
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+    model = tiny_gpt2()
+    opt = optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=2, tensorboard_dir=log_dir,
+                                                          set_all_logging_options=True))
+    engine, opt, sched, loader = acc.prepare(model, opt, MegatronLMDummyScheduler(opt, total_num_steps=6, warmup_num_steps=2),
+                                             DataLoader(token_dataset(12, model.config.vocab_size), batch_size=4))
+    engine.train()
+    losses, lrs, norms = [], [], []
+    for batch, _ in zip(loader, range(3)):
+        losses.append(engine(**batch).loss.item())
+        lrs.append(sched.get_last_lr()[0])
+        norms.append(acc.clip_grad_norm_(engine.parameters(), 1.0).item())
+    engine.tensorboard.close()
+    return losses, lrs, norms
+
+
+def test_tensorboard_dir_gets_the_steps_scalars(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    results = run_on_ranks(_tensorboard_worker, 2, str(tmp_path))
+    losses, lrs, norms = results[0]
+    files = [f for f in tmp_path.iterdir() if f.name.startswith("events.out.tfevents")]
+    assert len(files) == 1  # global rank 0 writes
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+
+    def scalars(tag):
+        return [(e.step, e.value) for e in events.Scalars(tag)]
+
+    assert scalars("lm loss") == [(i + 1, pytest.approx(x, rel=1e-6)) for i, x in enumerate(losses)]
+    assert scalars("learning-rate") == [(i + 1, pytest.approx(x, rel=1e-6)) for i, x in enumerate(lrs)]
+    assert lrs[0] != lrs[1]  # warmup: the logged rate moves
+    assert scalars("grad-norm") == [(i + 1, pytest.approx(x, rel=1e-6)) for i, x in enumerate(norms)]
+    assert [v for _, v in scalars("skipped-train-steps")] == [0.0, 0.0, 0.0]
+    assert [v for _, v in scalars("batch-size")] == [4.0, 4.0, 4.0]
+    params_norm = [v for _, v in scalars("params-norm")]
+    assert len(params_norm) == 3 and all(v > 0 for v in params_norm) and params_norm[0] != params_norm[2]
+    assert "mem-max-rss-bytes" in events.Tags()["scalars"]
+
+
+def test_tensorboard_dir_without_the_package_is_refused(tmp_path, monkeypatch):
+    import importlib.util
+
+    from megatron_plugin import MegatronLMPlugin
+    from megatron_plugin.engine.tensorboard import check_tensorboard
+    from tests.errors import refusal
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "tensorboard" else real(name, *a))
+    got = refusal(check_tensorboard, MegatronLMPlugin(tensorboard_dir=str(tmp_path)))
+    check_refusal(got, "tensorboard_dir", "pip install tensorboard", exact=True)
+
+
+def _save_pretrained_worker(folder):
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+    model = tiny_gpt2()
+    data = token_dataset(12, model.config.vocab_size)
+    opt = optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=2, return_logits=True))
+    engine, opt, sched, loader = acc.prepare(model, opt, MegatronLMDummyScheduler(opt, total_num_steps=4),
+                                             DataLoader(data, batch_size=4))
+    engine.train()
+    for batch, _ in zip(loader, range(2)):
+        engine(**batch)
+    unwrapped = acc.unwrap_model(engine)
+    config_ok = unwrapped.config is model.config
+    unwrapped.save_pretrained(folder, is_main_process=acc.is_main_process, save_function=acc.save,
+                              max_shard_size="100KB", safe_serialization=True)
+    engine.eval()
+    batch = {k: torch.stack([d[k] for d in data[:4]]) for k in data[0]}
+    with torch.no_grad():
+        logits = engine(**batch).logits
+    refused = None
+    try:
+        unwrapped.save_pretrained(folder, state_dict={})
+    except Exception as err:  # noqa: BLE001 - the test reads which
+        refused = (getattr(err, "setting", type(err).__name__), str(err))
+    return config_ok, logits, batch, refused
+
+
+def test_unwrap_model_save_pretrained_writes_what_from_pretrained_loads(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    results = run_on_ranks(_save_pretrained_worker, 2, str(tmp_path))
+    loaded = AutoModelForCausalLM.from_pretrained(str(tmp_path)).eval()
+    assert len(list(tmp_path.glob("*.safetensors"))) > 1  # sharded as asked
+    for config_ok, logits, batch, refused in results:
+        assert config_ok
+        with torch.no_grad():
+            ref = loaded(**{k: batch[k] for k in ("input_ids", "attention_mask")}).logits
+        assert (logits - ref).abs().max().item() < 1e-4
+        check_refusal(refused, "save_pretrained(state_dict)", "leave state_dict out", exact=True)

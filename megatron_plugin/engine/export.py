@@ -28,6 +28,11 @@ def iter_hf_weights(engine, grads: bool = False) -> Iterator[Tuple[str, torch.Te
     """Yield (HF name, full tensor) for the whole model on every rank; collective: every rank of the
     replica must consume it to the end. With `grads`, the parameters' gradients. A tensor may share
     memory with the live parameter (TP=1, no conversion): copy it if you keep it past the next step."""
+    _plan_check(engine, "iter_hf_weights")  # here, not at the first tensor: the generator below starts late
+    return _iter_hf_weights(engine, grads)
+
+
+def _iter_hf_weights(engine, grads: bool) -> Iterator[Tuple[str, torch.Tensor]]:
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -62,15 +67,20 @@ def iter_hf_weights(engine, grads: bool = False) -> Iterator[Tuple[str, torch.Te
             yield name[strip:], tensor
 
 
-def _plan_check(engine):
+def _plan_check(engine, what: str):
+    """Refuse `what` before any collective: for anything but the prepared model, or for model chunks that a
+    custom_model_provider_function built and the mapping tables do not describe."""
     if getattr(engine, "chunks", None) is None:
         raise MegatronPluginConfigError("model", type(engine).__name__, "pass the model accelerator.prepare returned")
+    for chunk in engine.chunks:
+        chunk.check_maps_to_hf(what)
 
 
-def save_model(engine, save_directory: str, max_shard_size="10GB", safe_serialization: bool = True) -> str:
+def save_model(engine, save_directory: str, max_shard_size="10GB", safe_serialization: bool = True,
+               what: str = "save_model") -> str:
     """Write the model as an HF checkpoint (config, sharded safetensors, index) that `from_pretrained`
     loads. Collective over every rank; only global rank 0 writes, one shard in memory at a time."""
-    _plan_check(engine)
+    _plan_check(engine, what)
     if not safe_serialization:
         raise MegatronPluginConfigError("safe_serialization", False, "save_model writes safetensors only: pass True")
     parse_size(max_shard_size)
@@ -99,7 +109,34 @@ def save_model(engine, save_directory: str, max_shard_size="10GB", safe_serializ
 
 def full_state_dict(engine) -> dict:
     """The whole model's HF state dict on every rank (gathered over TP, broadcast over PP stages)."""
-    _plan_check(engine)
+    _plan_check(engine, "get_state_dict")
     return {name: tensor.clone() for name, tensor in iter_hf_weights(engine)}
 
 
+def save_pretrained(engine, save_directory: str, is_main_process: bool = True, state_dict=None, push_to_hub: bool = False,
+                    max_shard_size="10GB", variant=None, save_function=None, safe_serialization: bool = True,
+                    **kwargs) -> str:
+    """`unwrap_model(model).save_pretrained(dir, ...)` as HF scripts call it: the HF checkpoint
+    `accelerator.save_model` writes, which `from_pretrained` loads. Collective: every rank calls it, as
+    scripts do when they pass `is_main_process=accelerator.is_main_process` (accepted, like
+    `save_function=accelerator.save`: global rank 0 writes, safetensors). A script that calls it on the main
+    process only leaves the other ranks out of the gather."""
+    if state_dict is not None:
+        raise MegatronPluginConfigError(
+            "save_pretrained(state_dict)", type(state_dict).__name__,
+            "the weights are gathered from the tensor- and pipeline-parallel model: leave state_dict out "
+            "(accelerator.get_state_dict(model) gives the full HF state dict if you need it)",
+        )
+    if push_to_hub:
+        raise MegatronPluginConfigError("save_pretrained(push_to_hub)", True,
+                                        "write the folder, then upload it with huggingface_hub")
+    if variant is not None or kwargs.get("distributed_checkpoint"):
+        name = "variant" if variant is not None else "distributed_checkpoint"
+        raise MegatronPluginConfigError(f"save_pretrained({name})", variant if variant is not None else True,
+                                        "not supported for the Megatron model: leave it out")
+    # HF's options that change nothing in what is written here
+    unknown = sorted(set(kwargs) - {"token", "save_peft_format", "save_original_format", "distributed_checkpoint"})
+    if unknown:
+        raise MegatronPluginConfigError(f"save_pretrained({unknown[0]})", kwargs[unknown[0]],
+                                        "not supported for the Megatron model: leave it out")
+    return save_model(engine, save_directory, max_shard_size, safe_serialization, what="save_pretrained")

@@ -16,7 +16,8 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+from megatron.core.optimizer import (OptimizerConfig, ParamKey, ParamWithNamePredicate, get_megatron_optimizer,
+                                     get_standard_config_overrides)
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 
@@ -25,16 +26,19 @@ from .base import MegatronEngine, average_logs
 from ..errors import MegatronPluginConfigError
 from . import device_clip
 from .grad_buffers import GradBufferReset
-from .optimizer import check_optimizer, use_fused_adam
+from .optimizer import check_optimizer, check_optimizer_fields, use_fused_adam
 from .scheduler import build_scheduler
 
 
 def optimizer_config(user_opt: torch.optim.Optimizer, plugin, dtype: Optional[torch.dtype]) -> OptimizerConfig:
     """mcore's optimizer settings from the user's torch optimizer. mcore keeps weight decay off biases
-    and 1-D parameters (norms), as HF scripts' usual parameter groups do."""
+    and 1-D parameters (norms), as HF scripts' usual parameter groups do, unless the plugin's
+    no_wd_decay_cond decides (`config_overrides`)."""
     check_optimizer(user_opt)
+    check_optimizer_fields(plugin, user_opt, "cuda")
     g = user_opt.param_groups[0]
     kind = type(user_opt)
+    offload = bool(getattr(plugin, "optimizer_cpu_offload", False))
     common = dict(
         lr=max(pg["lr"] for pg in user_opt.param_groups),
         min_lr=plugin.min_lr,
@@ -45,6 +49,11 @@ def optimizer_config(user_opt: torch.optim.Optimizer, plugin, dtype: Optional[to
         clip_grad=plugin.gradient_clipping,
         use_distributed_optimizer=plugin.use_distributed_optimizer,
         initial_loss_scale=2**16,
+        # Megatron-LM's --optimizer-offload-fraction defaults to 1.0 (mcore's OptimizerConfig to 0.0: nothing moves)
+        optimizer_cpu_offload=offload,
+        optimizer_offload_fraction=1.0 if offload else 0.0,
+        overlap_cpu_optimizer_d2h_h2d=bool(getattr(plugin, "overlap_cpu_optimizer_d2h_h2d", False)),
+        use_precision_aware_optimizer=bool(getattr(plugin, "use_precision_aware_optimizer", False)),
     )
     if kind is torch.optim.SGD:
         return OptimizerConfig(optimizer="sgd", sgd_momentum=g.get("momentum", 0.0), **common)
@@ -53,6 +62,39 @@ def optimizer_config(user_opt: torch.optim.Optimizer, plugin, dtype: Optional[to
         optimizer="adam", adam_beta1=beta1, adam_beta2=beta2, adam_eps=g["eps"],
         decoupled_weight_decay=kind is torch.optim.AdamW, **common,
     )
+
+
+def config_overrides(plugin, config: OptimizerConfig, chunks) -> Optional[dict]:
+    """mcore's per-parameter group settings for the plugin's conditions, or None (mcore's default groups:
+    no weight decay on biases and 1-D parameters). The conditions see the Megatron parameter names of the
+    model chunks (as on the CPU engine), not the wrappers' 'module.module.' names mcore iterates."""
+    scale, no_wd = getattr(plugin, "scale_lr_cond", None), getattr(plugin, "no_wd_decay_cond", None)
+    if scale is None and no_wd is None:
+        return None
+    names = {id(p): n for chunk in chunks for n, p in chunk.module.named_parameters()}
+
+    def named(cond):
+        return lambda param, name: bool(cond(names.get(id(param), name), param))
+
+    # a non-None dict replaces mcore's default rule: keep it when only scale_lr_cond is given
+    overrides = {} if no_wd is not None else get_standard_config_overrides(config)
+    if no_wd is not None:
+        overrides[ParamKey(with_name_predicate=ParamWithNamePredicate("no_wd_decay_cond", named(no_wd)))] = \
+            {"wd_mult": 0.0}
+    if scale is not None:
+        mult = float(plugin.lr_mult)
+        # mcore 0.16.1's scheduler reads each group's max_lr/min_lr (it no longer multiplies by lr_mult)
+        overrides[ParamKey(with_name_predicate=ParamWithNamePredicate("scale_lr_cond", named(scale)))] = \
+            {"max_lr": config.lr * mult, "min_lr": config.min_lr * mult, "lr_mult": mult}
+    return overrides
+
+
+def start_values(optimizer) -> None:
+    """Each group's lr and weight decay as the scheduler's step 0 sets them (lr_mult's max_lr, wd_mult), so a
+    run without a scheduler trains with them too."""
+    for g in optimizer.param_groups:
+        g["lr"] = g.get("max_lr", g["lr"])
+        g["weight_decay"] = g.get("weight_decay", 0.0) * g.get("wd_mult", 1.0)
 
 
 def _judge_after_first_forward(forward_step, check):
@@ -67,6 +109,30 @@ def _judge_after_first_forward(forward_step, check):
         return out
 
     return judged
+
+
+def _require_token_counts(forward_step):
+    """The train step's forward_step under calculate_per_token_loss: its loss function must return Megatron's
+    (loss sum, token count, logs). Given (loss, logs), mcore's schedules would take their mean-loss path while
+    DDP sums gradients over data-parallel ranks (per-token config), scaling the gradients wrongly."""
+
+    @functools.wraps(forward_step)
+    def checked(*args, **kwargs):
+        output, loss_func = forward_step(*args, **kwargs)
+
+        def counted(*a, **k):
+            result = loss_func(*a, **k)
+            if not (isinstance(result, tuple) and len(result) == 3):
+                raise MegatronPluginConfigError(
+                    "calculate_per_token_loss", True,
+                    "the train step's loss function returns (loss, logs); per-token loss needs Megatron-LM's "
+                    "(loss sum, token count, logs): return those, or set calculate_per_token_loss=False",
+                )
+            return result
+
+        return output, counted
+
+    return checked
 
 
 def transformer_layers(module):
@@ -98,7 +164,10 @@ class MegatronCoreEngine(MegatronEngine):
                 module = Float16Module(config, module)
             # only the first chunk buckets: later chunks' grads are ready last (Megatron-LM does the same)
             wrapped.append(DistributedDataParallel(config, ddp_config, module, disable_bucketing=i > 0))
-        optimizer = get_megatron_optimizer(optimizer_config(user_optimizer, plugin, dtype), wrapped)
+        opt_config = optimizer_config(user_optimizer, plugin, dtype)
+        optimizer = get_megatron_optimizer(opt_config, wrapped,
+                                           config_overrides=config_overrides(plugin, opt_config, chunks))
+        start_values(optimizer)
         use_fused_adam(optimizer)
         self.clip_on_device = device_clip.supported(optimizer)
         scheduler = build_scheduler(dummy_scheduler, optimizer, plugin) if dummy_scheduler is not None else None
@@ -135,6 +204,8 @@ class MegatronCoreEngine(MegatronEngine):
         forward_step = forward_step or step.forward_step
         if self._pending_check is not None:
             forward_step = _judge_after_first_forward(forward_step, self._pending_check)
+        if self.plugin.calculate_per_token_loss:
+            forward_step = _require_token_counts(forward_step)
         return get_forward_backward_func()(
             forward_step_func=forward_step,
             data_iterator=iters,

@@ -7,8 +7,12 @@ from typing import Dict, Optional
 import torch
 from megatron.core import parallel_state
 
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from ..errors import MegatronPluginConfigError
 from ..layers.comm import gather_tensor_parallel_last_dim
-from .convert import gather_hf_state_dict, load_hf_into_mcore, model_dims, normalize_hf_state_dict
+from .common import HFParityMixin
+from .convert import gather_hf_state_dict, load_hf_into_mcore, mcore_to_hf_sources, model_dims, normalize_hf_state_dict
 from ..layout import current_layout
 from . import get_family
 from .causal import causal_lm_inputs
@@ -23,26 +27,66 @@ class MegatronModel(torch.nn.Module):
 
     def __init__(self, hf_config, plugin: MegatronLMPlugin, *, variant: str = "lm",
                  params_dtype: torch.dtype = torch.float32, backend: Optional[str] = None,
-                 config=None, vp_stage: Optional[int] = None):
+                 config=None, vp_stage: Optional[int] = None, module: Optional[torch.nn.Module] = None):
+        """`module`: a Megatron-Core module built elsewhere (the plugin's custom_model_provider_function) to
+        hold instead of building one from the HF config; its own TransformerConfig is the chunk's."""
         super().__init__()
         layout = current_layout()
         self.hf_config, self.plugin, self.variant = hf_config, plugin, variant
         self.family = get_family(hf_config)
         # model chunks of one rank (virtual pipeline stages) share one config: mcore's schedules read
         # their hooks from the first chunk's
-        self.config = config or build_transformer_config(
+        self.config = config or (module.config if module is not None else build_transformer_config(
             self.family, hf_config, plugin, params_dtype=params_dtype, device_type=layout.device.type
-        )
-        vp_size = self.config.virtual_pipeline_model_parallel_size or 1
-        self.plan = StagePlan.for_rank(self.config.num_layers, layout.pp_size, layout.pp_rank, vp_stage or 0, vp_size)
+        ))
+        if module is None:
+            num_layers, vp_size = self.config.num_layers, self.config.virtual_pipeline_model_parallel_size or 1
+        else:  # the stages' layers as prepare lays them out (the provider's config is the user's)
+            num_layers = self.family.num_layers(hf_config)
+            vp_size = plugin.virtual_pipeline_stages(num_layers) or 1
+        self.plan = StagePlan.for_rank(num_layers, layout.pp_size, layout.pp_rank, vp_stage or 0, vp_size,
+                                       last_stage_layers=plugin.decoder_last_pipeline_num_layers)
         self.dims = model_dims(self.family, hf_config, plugin.make_vocab_size_divisible_by, layout.tp_size)
         self.backend = default_backend(layout.device.type, backend)
-        build = self.family.build or build_model
-        self.module = build(self.family, hf_config, self.config, plugin, self.plan, variant=variant,
-                            backend=self.backend, vp_stage=vp_stage)
-        self._mark_tensor_parallel_params()
+        self.provided = module is not None
+        if module is None:
+            build = self.family.build or build_model
+            module = build(self.family, hf_config, self.config, plugin, self.plan, variant=variant,
+                           backend=self.backend, vp_stage=vp_stage)
+        self.module = module
+        # a provider's module of our own kind maps to HF names like a built one; another does not (maps_to_hf)
+        self.maps_to_hf = not self.provided or self._same_as_built()
+        if self.maps_to_hf:
+            self._mark_tensor_parallel_params()
         if layout.device.type == "cuda":
             self.module.cuda(layout.device)
+
+    def _same_as_built(self) -> bool:
+        """Whether a provided module is what we would have built for this HF config: our model class (the
+        mapping tables are written for its parameters), the table's parameter names, and the config's
+        architecture (shapes) and padded vocabulary."""
+        if not isinstance(self.module, HFParityMixin):
+            return False
+        names = {n for n, _ in self.module.named_parameters()}
+        if names != set(mcore_to_hf_sources(self.family, self.hf_config, self.plan, self.variant)):
+            return False
+        mine = self.family.transformer_config(self.hf_config)
+        keys = ("num_layers", "hidden_size", "num_attention_heads", "num_query_groups", "ffn_hidden_size", "kv_channels")
+        if any(getattr(self.config, k, None) != mine[k] for k in keys if mine.get(k) is not None):
+            return False
+        return getattr(self.module, "vocab_size", self.dims.padded_vocab) == self.dims.padded_vocab
+
+    def check_maps_to_hf(self, what: str) -> None:
+        """Refuse `what` (an HF export) for a provider's module the mapping tables do not describe."""
+        if not self.maps_to_hf:
+            provider = self.plugin.custom_model_provider_function
+            raise MegatronPluginConfigError(
+                "custom_model_provider_function", getattr(provider, "__qualname__", provider),
+                f"{what} writes HF-named weights through {self.family.name}'s mapping table, which describes the model "
+                f"prepare builds; this provider returned a {type(self.module).__name__} it does not describe: save "
+                "with accelerator.save_state, or have the provider return the family's module "
+                "(megatron_plugin.models.modeling.MegatronModel(hf_config, plugin).module, then load its weights)",
+            )
 
     def _mark_tensor_parallel_params(self):
         """mcore sets `tensor_model_parallel` / `partition_dim` only when it initializes weights, which we
@@ -67,6 +111,44 @@ class MegatronModel(torch.nn.Module):
         model = cls(hf_model.config, plugin, variant=variant, **kwargs)
         model.load_hf_state_dict(hf_model.state_dict())
         return model
+
+    @classmethod
+    def chunks_from_provider(cls, hf_model: torch.nn.Module, plugin: MegatronLMPlugin, backend: Optional[str] = None) -> list:
+        """This rank's model chunks built by Megatron-LM's hooks instead of from the HF weights, as
+        Megatron-LM's get_model calls them: `custom_model_provider_function(pre_process=..., post_process=...)`
+        (and `vp_stage=` with virtual pipeline stages) returns one Megatron-Core module per chunk; with
+        `custom_prepare_model_function(provider)` that function returns the chunks. Their weights are the
+        provider's (random at first; load a checkpoint with accelerator.load_state, or in the provider). The HF
+        model still gives the family (train step, inputs), the vocabulary and the layers each stage holds."""
+        layout = current_layout()
+        family = get_family(hf_model.config)
+        num_layers = family.num_layers(hf_model.config)
+        vp = plugin.virtual_pipeline_stages(num_layers)
+        plans = [StagePlan.for_rank(num_layers, layout.pp_size, layout.pp_rank, i, vp or 1,
+                                    last_stage_layers=plugin.decoder_last_pipeline_num_layers) for i in range(vp or 1)]
+        provider, prepare = plugin.custom_model_provider_function, plugin.custom_prepare_model_function
+        if prepare is not None:
+            modules = prepare(provider)
+            setting = "custom_prepare_model_function"
+        else:
+            modules = [provider(pre_process=plan.first, post_process=plan.last, **({"vp_stage": i} if vp else {}))
+                       for i, plan in enumerate(plans)]
+            setting = "custom_model_provider_function"
+        modules = list(modules) if isinstance(modules, (list, tuple)) else [modules]
+        if len(modules) != len(plans):
+            raise MegatronPluginConfigError(
+                setting, f"{len(modules)} model chunks",
+                f"return {len(plans)}: one per virtual pipeline stage of this rank (num_layers_per_virtual_pipeline_stage)",
+            )
+        for m in modules:
+            if not isinstance(m, torch.nn.Module) or not isinstance(getattr(m, "config", None), TransformerConfig):
+                raise MegatronPluginConfigError(
+                    setting, type(m).__name__,
+                    "return Megatron-Core modules (e.g. a GPTModel), each with its TransformerConfig as .config",
+                )
+        variant = family.variant_of(hf_model)
+        return [cls(hf_model.config, plugin, variant=variant, vp_stage=i if vp else None, backend=backend, module=m)
+                for i, m in enumerate(modules)]
 
     @classmethod
     def chunks_from_hf(cls, hf_model: torch.nn.Module, plugin: MegatronLMPlugin, params_dtype=torch.float32,
@@ -108,6 +190,7 @@ class MegatronModel(torch.nn.Module):
     def hf_state_dict(self, grads: bool = False) -> Dict[str, torch.Tensor]:
         """This pipeline stage's weights (or their gradients) as full HF tensors, named as in the HF
         model we came from. Collective over the TP group."""
+        self.check_maps_to_hf("hf_state_dict")
         out = gather_hf_state_dict(
             self.module, self.family, self.hf_config, self.plan, self.dims, variant=self.variant, grads=grads
         )
