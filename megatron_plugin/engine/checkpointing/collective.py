@@ -4,7 +4,7 @@ stopped. Checkpoints need it most (a damaged file may be read by some ranks only
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
@@ -34,3 +34,17 @@ def broadcast_error(problem: Optional[tuple]) -> None:
     if box[0] is not None:
         setting, value, fix = box[0]
         raise MegatronPluginConfigError(setting, value, fix)
+
+
+def commit_on_rank0(is_rank0: bool, output_dir: str, commit: Callable[[], None], kept: Callable[[str], str]) -> None:
+    """Rank 0 runs `commit` (a save's last step); whatever it raises, every rank raises, saying what the
+    folder still holds (`kept`), rather than wait in a collective. Also what keeps the other ranks until
+    rank 0 has committed."""
+    problem = None
+    if is_rank0:
+        try:
+            commit()
+        except Exception as err:  # whatever it is, every rank hears of it
+            problem = ("save_state(output_dir)", output_dir,
+                       f"the checkpoint could not be committed ({type(err).__name__}: {err}); {kept(output_dir)}")
+    broadcast_error(problem)

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ...errors import MegatronPluginConfigError
 from ...fs import check_writable
-from .collective import agree, broadcast_error
+from .collective import agree, broadcast_error, commit_on_rank0
 from .megatron_lm_layout import (RELEASE, checkpoint_files, checksums, iteration_dir, my_share, read_tracker,
                                  replaced_dir, staging_dir, tag_dir, write_checksums, write_tracker)
 from .megatron_lm_state import save_state_dict
@@ -43,14 +43,7 @@ def save(output_dir: str, state: TrainingState) -> str:
     _open_staging(output_dir, name)
     staging = staging_dir(output_dir, name)
     sums = _write(output_dir, staging, state)
-    problem = None
-    if state.layout.rank == 0:
-        try:
-            _commit(output_dir, name, state, sums)
-        except Exception as err:  # whatever it is, every rank hears of it rather than wait in a collective
-            problem = ("save_state(output_dir)", output_dir,
-                       f"the checkpoint could not be committed ({type(err).__name__}: {err}); {_kept(output_dir)}")
-    broadcast_error(problem)  # also what keeps the other ranks until rank 0 has committed
+    commit_on_rank0(state.layout.rank == 0, output_dir, lambda: _commit(output_dir, name, state, sums), _kept)
     return os.path.join(output_dir, name)
 
 

@@ -20,7 +20,7 @@ from safetensors.torch import save_file
 
 from ...errors import MegatronPluginConfigError
 from ...fs import atomic_write_text, check_writable, file_checksum
-from .collective import broadcast_error
+from .collective import broadcast_error, commit_on_rank0
 from .layout import (META, SCHEDULER, checkpoint_meta, custom_file, iteration_of, model_file, optimizer_file,
                      point_latest, read_latest, rng_file, shard_name, write_meta)
 from .state import TrainingState
@@ -38,14 +38,7 @@ def save(output_dir: str, state: TrainingState) -> str:
     tag = _open_staging(output_dir, state.iteration)
     staging = _staging_dir(output_dir, tag)
     files = _write_rank_files(output_dir, staging, state)
-    problem = None
-    if state.layout.rank == 0:
-        try:
-            _commit(output_dir, tag, state, files)
-        except Exception as err:  # whatever it is, every rank hears of it rather than wait in a collective
-            problem = ("save_state(output_dir)", output_dir,
-                       f"the checkpoint could not be committed ({type(err).__name__}: {err}); {_kept(output_dir)}")
-    broadcast_error(problem)  # also what keeps the other ranks until rank 0 has committed
+    commit_on_rank0(state.layout.rank == 0, output_dir, lambda: _commit(output_dir, tag, state, files), _kept)
     return os.path.join(output_dir, tag)
 
 
