@@ -103,10 +103,17 @@ def _load_converted(ckpt):
     return (got - ref).abs().max().item()
 
 
-@pytest.mark.parametrize("fmt", ["megatron_plugin", "torch_dist", "torch"])
+@pytest.mark.parametrize("fmt", ["megatron_plugin", "torch_dist", "torch", "torch_dist as iteration 0"])
 def test_converted_checkpoint_loads_with_load_state(tmp_path, fmt):
     tiny_gpt2("tied", n_layer=4).save_pretrained(tmp_path / "hf")
-    convert_hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=2, progress=False, checkpoint_format=fmt)
+    release = fmt != "torch_dist as iteration 0"  # accelerate's example asserts iter_0000000 and a tracker of 0
+    convert_hf_to_megatron(str(tmp_path / "hf"), str(tmp_path / "mg"), tp=2, progress=False,
+                           checkpoint_format=fmt.split()[0], release=release)
+    if fmt.startswith("torch_dist"):
+        tracker = (tmp_path / "mg" / "latest_checkpointed_iteration.txt").read_text().strip()
+        assert (tracker, sorted(os.listdir(tmp_path / "mg"))) == (
+            ("release", ["latest_checkpointed_iteration.txt", "release"]) if release
+            else ("0", ["iter_0000000", "latest_checkpointed_iteration.txt"]))
     for err in run_on_ranks(_load_converted, 2, str(tmp_path / "mg")):
         assert err < 1e-4
 
