@@ -198,7 +198,7 @@ FIELD_STATUS = {
     "lr_mult": "honoured: megatron_plugin.engine.optimizer - learning-rate multiplier of scale_lr_cond's parameters",
     "scale_lr_cond": "honoured: megatron_plugin.engine.optimizer - scale_lr_cond(name, param) picks them",
     "no_wd_decay_cond": "honoured: megatron_plugin.engine.optimizer - no_wd_decay_cond(name, param): no weight decay",
-    "optimizer_cpu_offload": "honoured: megatron_plugin.engine.gpu - optimizer on the CPU (CUDA engine)",
+    "optimizer_cpu_offload": "honoured: megatron_plugin.engine.gpu - optimizer on the CPU (CUDA engine; with no_save_optim=True: its state does not load back yet)",
     "overlap_cpu_optimizer_d2h_h2d": "honoured: megatron_plugin.engine.gpu - with optimizer_cpu_offload",
     "use_precision_aware_optimizer": "honoured: megatron_plugin.engine.gpu - Megatron-Core's precision-aware "
                                      "optimizer (CUDA engine)",
@@ -419,7 +419,7 @@ class MegatronLMPlugin:
     lr_mult: float = field(default=1.0, metadata={"help": "learning-rate multiplier for the parameters scale_lr_cond selects"})
     scale_lr_cond: Optional[Callable] = field(default=None, metadata={"help": "scale_lr_cond(name, param) -> bool, with Megatron-Core parameter names (decoder.layers.0.mlp.linear_fc1.weight): these parameters get lr * lr_mult"})
     no_wd_decay_cond: Optional[Callable] = field(default=None, metadata={"help": "no_wd_decay_cond(name, param) -> bool, with Megatron-Core parameter names: when given it decides for every parameter (True: no weight decay; False: the optimizer's)"})
-    optimizer_cpu_offload: Optional[bool] = field(default=None, metadata={"help": "keep optimizer states and step on the CPU (Megatron-Core's hybrid optimizer; CUDA needs AdamW and use_distributed_optimizer=True; the CPU engine's optimizer is there already)"})
+    optimizer_cpu_offload: Optional[bool] = field(default=None, metadata={"help": "keep optimizer states and step on the CPU (Megatron-Core's hybrid optimizer; CUDA needs AdamW, use_distributed_optimizer=True and no_save_optim=True: its state does not load back yet; the CPU engine's optimizer is there already)"})
     overlap_cpu_optimizer_d2h_h2d: Optional[bool] = field(default=None, metadata={"help": "with optimizer_cpu_offload: overlap the gradient and parameter copies with the step"})
     use_precision_aware_optimizer: Optional[bool] = field(default=None, metadata={"help": "Megatron-Core's precision-aware optimizer (needs Transformer Engine, AdamW and use_distributed_optimizer=True)"})
     # checkpoints

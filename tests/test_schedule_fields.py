@@ -362,7 +362,9 @@ def test_optimizer_fields_on_cuda_are_checked_without_a_gpu():
                   "use_precision_aware_optimizer", "SGD", exact=True)
     check_refusal(check(adamw, optimizer_cpu_offload=True), "optimizer_cpu_offload", "use_distributed_optimizer=True",
                   exact=True)
-    assert check(adamw, optimizer_cpu_offload=True, use_distributed_optimizer=True,
+    check_refusal(check(adamw, optimizer_cpu_offload=True, use_distributed_optimizer=True), "optimizer_cpu_offload",
+                  "no_save_optim=True", exact=True)
+    assert check(adamw, optimizer_cpu_offload=True, use_distributed_optimizer=True, no_save_optim=True,
                  overlap_cpu_optimizer_d2h_h2d=True) is None
     import importlib.util
 

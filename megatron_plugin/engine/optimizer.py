@@ -155,6 +155,16 @@ def check_optimizer_fields(plugin, optimizer: torch.optim.Optimizer, device_type
                 setting, True,
                 "Megatron-Core runs it inside its distributed optimizer: set use_distributed_optimizer=True too",
             )
+    if offload and not getattr(plugin, "no_save_optim", False):
+        # measured on an H100: megatron-core 0.16.1's HybridDeviceOptimizer state neither round-trips through
+        # torch_dist (its common part pickles torch.optim.AdamW, which dist_checkpointing's weights-only load
+        # refuses) nor through the megatron_plugin format; refused here rather than at the first load
+        raise MegatronPluginConfigError(
+            "optimizer_cpu_offload", True,
+            "checkpoints of the CPU-offloaded optimizer's state do not load back yet: set no_save_optim=True too "
+            "(save_state then keeps weights, scheduler, RNG and iteration; the optimizer restarts on resume), or "
+            "turn optimizer_cpu_offload off",
+        )
     if aware and importlib.util.find_spec("transformer_engine") is None:
         raise MegatronPluginConfigError(
             "use_precision_aware_optimizer", True,

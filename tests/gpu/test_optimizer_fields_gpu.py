@@ -24,6 +24,10 @@ STEPS, WARMUP, LR = 8, 2, 1e-3
 
 
 def _prepare(fields, precision, scheduler=True):
+    return _prepare_with_accelerator(fields, precision, scheduler)[1:]
+
+
+def _prepare_with_accelerator(fields, precision, scheduler=True):
     from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
 
     acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(num_micro_batches=NUM_MICRO, **fields),
@@ -33,14 +37,15 @@ def _prepare(fields, precision, scheduler=True):
     opt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=0.01)
     extra = [MegatronLMDummyScheduler(opt, total_num_steps=STEPS, warmup_num_steps=WARMUP)] if scheduler else []
     engine, opt, *_, loader = acc.prepare(hf, opt, *extra, loader)
-    return engine, opt, loader
+    return acc, engine, opt, loader
 
 
 def offload_run(offload=False, overlap=False):
     """bf16 with the distributed optimizer: losses, and where the optimizer keeps its state."""
     from megatron.core.optimizer.cpu_offloading import HybridDeviceOptimizer
 
-    fields = dict(use_distributed_optimizer=True, optimizer_cpu_offload=offload, overlap_cpu_optimizer_d2h_h2d=overlap)
+    fields = dict(use_distributed_optimizer=True, optimizer_cpu_offload=offload, overlap_cpu_optimizer_d2h_h2d=overlap,
+                  no_save_optim=offload)
     engine, opt, loader = _prepare(fields, "bf16")
     engine.train()
     losses = [engine(**batch).loss.item() for batch in loader]
@@ -120,3 +125,34 @@ def test_without_a_scheduler_groups_train_with_mcores_weight_decay_rule():
         # biases and norms (wd_mult 0) get none: before, every group decayed until a scheduler stepped
         assert g["weight_decay"] == 0.01 * g["wd_mult"] and g["lr"] == LR, g
         assert (g["wd_mult"] == 0.0) == all(d == 1 for d in g["dims"]), g
+
+
+
+def offload_resume_run(ckpt, fmt, resume):
+    """optimizer_cpu_offload saves with no_save_optim (required): train 4 steps and save; a new run loads the
+    weights (the optimizer restarts). Returns the weights after the save or after the load."""
+    fields = dict(use_distributed_optimizer=True, optimizer_cpu_offload=True, no_save_optim=True, ckpt_format=fmt)
+    acc, engine, opt, loader = _prepare_with_accelerator(fields, "bf16")
+    engine.train()
+    if resume:
+        acc.load_state(ckpt)
+    else:
+        for b in list(loader)[:4]:
+            engine(**b)
+        acc.save_state(ckpt)
+    return {n: p.detach().cpu().clone() for n, p in engine.model.module.named_parameters()}
+
+
+@pytest.mark.parametrize("fmt", ["torch_dist", "megatron_plugin"])
+def test_optimizer_cpu_offload_saves_weights_without_its_state(tmp_path, fmt):
+    ckpt = str(tmp_path / "ckpt")
+    (saved,) = run_on_ranks(offload_resume_run, 1, ckpt, fmt, False)
+    (loaded,) = run_on_ranks(offload_resume_run, 1, ckpt, fmt, True)
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+
+
+def test_optimizer_cpu_offload_without_no_save_optim_is_refused():
+    from megatron_plugin import MegatronPluginConfigError
+
+    with pytest.raises(MegatronPluginConfigError, match="optimizer_cpu_offload=True: checkpoints of the CPU-offloaded"):
+        _prepare(dict(use_distributed_optimizer=True, optimizer_cpu_offload=True), "bf16")
