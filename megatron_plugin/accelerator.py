@@ -102,7 +102,8 @@ class Accelerator(accelerate.Accelerator):
         spec = resolve(inputs, self._megatron, world_size=self.num_processes, device_type=self.device.type,
                        mixed_precision=self.mixed_precision, dynamo_plugin=getattr(self.state, "dynamo_plugin", None),
                        project_dir=self.project_dir)
-        engine, layout, iterators = build(spec, inputs)
+        timeout = getattr(getattr(self, "init_handler", None), "timeout", None)  # InitProcessGroupKwargs
+        engine, layout, iterators = build(spec, inputs, timeout=timeout)
         self.state.megatron_lm_plugin = spec.plugin
         self._engine = engine
         self._megatron_iterators = list(iterators)

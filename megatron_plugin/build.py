@@ -201,10 +201,12 @@ class _MegatronSamples(torch.utils.data.Dataset):
         )
 
 
-def build(spec: RunSpec, inputs: Inputs):
-    """-> (engine, layout, the indexed-data iterators: train, validation, test as many as were asked for)."""
+def build(spec: RunSpec, inputs: Inputs, timeout=None):
+    """-> (engine, layout, the indexed-data iterators: train, validation, test as many as were asked for).
+    `timeout` (a timedelta: accelerate's InitProcessGroupKwargs) also bounds megatron-core's groups."""
     patches.install(*spec.patches)
-    layout = start(spec.plugin, spec.num_layers)
+    minutes = max(1, int(timeout.total_seconds() // 60)) if timeout is not None else 30
+    layout = start(spec.plugin, spec.num_layers, timeout_minutes=minutes)
     chunks = build_chunks(spec, inputs)
     iterators = indexed_iterators(spec, inputs, layout)
     return build_engine(spec, inputs, chunks, layout), layout, iterators

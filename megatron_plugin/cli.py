@@ -3,7 +3,10 @@ Megatron indexed datasets from text.
 
     megatron-plugin config --config_file megatron_gpt_config.yaml          # asks
     megatron-plugin config --config_file cfg.yaml --tp 2 --num_processes 2 --cpu --non_interactive
+    megatron-plugin config --config_file cfg.yaml --tp 8 --num_processes 16 --num_machines 2 \
+        --main_process_ip 10.0.0.1 --non_interactive                       # 2 machines x 8 GPUs
     megatron-plugin launch --config_file cfg.yaml train.py --output_dir out # checks the YAML, then launches
+    megatron-plugin launch --config_file cfg.yaml --machine_rank 1 train.py # on the second machine
     megatron-plugin preprocess-data --input docs.jsonl --tokenizer tok/ --output_prefix data/my
 
 The YAML is accelerate's own format: `accelerate launch --config_file cfg.yaml` takes it as it is.
@@ -18,10 +21,13 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from .errors import MegatronPluginConfigError
+from .launch_config import MACHINE_KEYS, check_machines
+from .placement import tp_warning
 from .plugin import (ENV_FIELDS, PARSERS, MegatronLMPlugin, check_compile, check_cpu_support, check_mixed_precision,
                      parse_bool, parse_float, parse_int, parse_str)
 
 PRECISIONS = ("no", "fp16", "bf16")
+_OFF = object()  # a question not asked takes the answer that turns its feature off (see _off_on_cpu)
 
 
 @dataclass
@@ -31,6 +37,9 @@ class Question:
     default: object
     parse: Callable[[str, str], object]
     ask_if: Callable[[dict], bool] = lambda answers: True
+    not_asked: object = _OFF  # the answer when ask_if says no
+    required: bool = False  # an empty answer asks again (no default makes sense)
+    check: Optional[Callable[[object, dict], None]] = None  # with the answers so far; raises to ask again
 
 
 def _precision(setting, raw):
@@ -42,6 +51,32 @@ def _precision(setting, raw):
 
 def _on_gpu(answers):
     return not answers["cpu"]
+
+
+def _many_machines(answers):
+    return answers["num_machines"] > 1
+
+
+def _text(setting, raw):
+    return str(raw).strip()
+
+
+def machine_settings(answers: dict) -> dict:
+    """The answers as accelerate's keys saying where the processes run (launch_config.MACHINE_KEYS)."""
+    backend = answers.get("rdzv_backend") or "static"
+    return {"num_processes": answers.get("num_processes"), "num_machines": answers.get("num_machines", 1),
+            "machine_rank": answers.get("machine_rank", 0), "main_process_ip": answers.get("main_process_ip"),
+            "main_process_port": answers.get("main_process_port"), "rdzv_backend": backend,
+            # accelerate hands torchrun a rendezvous endpoint (which c10d needs) only off the "same network"
+            "same_network": backend == "static"}
+
+
+def _check_machine_answer(key):
+    def check(value, answers):
+        # the keys not answered yet take values that pass, so that only this answer is judged
+        so_far = {"main_process_ip": "unanswered", **{k: v for k, v in answers.items() if v is not None}, key: value}
+        check_machines(machine_settings(so_far), lambda k: FLAGS.get(k, k))
+    return check
 
 
 # In the order and words of `accelerate config`'s Megatron-LM questions. On CPU the settings that need
@@ -59,8 +94,20 @@ QUESTIONS = [
              "gradients across data parallel ranks? [YES/no]: ", True, parse_bool, ask_if=_on_gpu),
     Question("gradient_clipping", "What is the gradient clipping value based on global L2 Norm (0 to disable)? [1.0]: ",
              1.0, parse_float),
-    Question("num_processes", "How many processes (GPUs, or CPU processes) should be used for distributed training? [1]: ",
-             1, parse_int),
+    # accelerate's multi-node questions. On CPU (development and CI) one machine is assumed: the flags set more.
+    Question("num_machines", "How many different machines will you use (use more than 1 for multi-node training)? "
+             "[1]: ", 1, parse_int, ask_if=_on_gpu, not_asked=1, check=_check_machine_answer("num_machines")),
+    Question("machine_rank", "What is the rank of this machine (0 to the number of machines - 1)? [0]: ", 0, parse_int,
+             ask_if=_many_machines, not_asked=0, check=_check_machine_answer("machine_rank")),
+    Question("main_process_ip", "What is the IP address of the machine that will host the main process? ", None, _text,
+             ask_if=_many_machines, not_asked=None, required=True, check=_check_machine_answer("main_process_ip")),
+    Question("main_process_port", "What is the port you will use to communicate with the main process? [29500]: ",
+             29500, parse_int, ask_if=_many_machines, not_asked=None, check=_check_machine_answer("main_process_port")),
+    Question("rdzv_backend", "What rendezvous backend will you use? ('static': a fixed set of machines; 'c10d': "
+             "torchrun's elastic rendezvous) [static]: ", "static", parse_str, ask_if=_many_machines,
+             not_asked="static", check=_check_machine_answer("rdzv_backend")),
+    Question("num_processes", "How many processes (GPUs, or CPU processes) should be used for distributed training, "
+             "in total over all machines? [1]: ", 1, parse_int, check=_check_machine_answer("num_processes")),
     Question("mixed_precision", "Do you wish to use FP16 or BF16 (mixed precision)? [NO/fp16/bf16]: ", "no", _precision),
     Question("compile", "Do you want to compile the Megatron layers with torch.compile (Inductor)? [yes/NO]: ", False,
              parse_bool, ask_if=_on_gpu),
@@ -74,6 +121,7 @@ FLAGS = {
     "use_distributed_optimizer": "--distributed_optimizer", "gradient_clipping": "--gradient_clipping",
     "num_processes": "--num_processes", "mixed_precision": "--mixed_precision", "compile": "--compile",
     "torch_compile": "--compile", "tp_degree*pp_degree": "--tp * --pp",
+    **{key: f"--{key}" for key in MACHINE_KEYS},
 }
 
 
@@ -91,7 +139,7 @@ def _as_flags(err: MegatronPluginConfigError) -> MegatronPluginConfigError:
     return MegatronPluginConfigError(FLAGS.get(err.setting, err.setting), err.value, err.fix)
 
 
-def ask(question: Question, input_fn=input, print_fn=print):
+def ask(question: Question, input_fn=input, print_fn=print, answers=None):
     while True:
         try:
             raw = input_fn(question.prompt).strip()
@@ -102,10 +150,14 @@ def ask(question: Question, input_fn=input, print_fn=print):
                 "the input ended before this question was answered: answer it, pass the flag, or add "
                 "--non_interactive to take the defaults",
             ) from None
-        if raw == "":
-            return question.default
+        if raw == "" and question.required:
+            print_fn("  an answer is needed")
+            continue
         try:
-            return question.parse(question.key, raw)
+            value = question.default if raw == "" else question.parse(question.key, raw)
+            if question.check is not None:
+                question.check(value, answers or {})
+            return value
         except MegatronPluginConfigError as err:
             print_fn(f"  {err.fix}")
 
@@ -168,7 +220,6 @@ def to_yaml_dict(a: dict) -> dict:
         "debug": False,
         "distributed_type": "MEGATRON_LM",
         "downcast_bf16": "no",
-        "machine_rank": 0,
         "main_training_function": "main",
         "megatron_lm_config": {
             "megatron_lm_gradient_clipping": a["gradient_clipping"],
@@ -181,10 +232,8 @@ def to_yaml_dict(a: dict) -> dict:
             **{EXTRA_KEYS[name][0]: value for name, value in (a.get("extra") or {}).items()},
         },
         "mixed_precision": a["mixed_precision"],
-        "num_machines": 1,
-        "num_processes": a["num_processes"],
-        "rdzv_backend": "static",
-        "same_network": True,
+        # accelerate's config leaves out the address and port of a single machine (None)
+        **{k: v for k, v in machine_settings(a).items() if v is not None},
         "use_cpu": a["cpu"],
     }
 
@@ -208,11 +257,11 @@ def run_config(args, input_fn=input, print_fn=print) -> str:
             except MegatronPluginConfigError as err:
                 raise _as_flags(err) from None
         elif not q.ask_if(answers):
-            answers[q.key] = _off_on_cpu(q, answers)
+            answers[q.key] = _off_on_cpu(q, answers) if q.not_asked is _OFF else q.not_asked
         elif args.non_interactive:
             answers[q.key] = q.default
         else:
-            answers[q.key] = ask(q, input_fn, print_fn)
+            answers[q.key] = ask(q, input_fn, print_fn, answers)
     extra = {}
     for name, (_, parse) in EXTRA_KEYS.items():
         given = getattr(args, name)
@@ -222,7 +271,12 @@ def run_config(args, input_fn=input, print_fn=print) -> str:
             except MegatronPluginConfigError as err:
                 raise _as_flags(err) from None
     answers["extra"] = extra
+    machines = machine_settings(answers)
+    check_machines(machines, lambda k: FLAGS.get(k, k))  # flags and defaults skip the questions' checks
     plugin_from_answers(answers)
+    warning = tp_warning(answers["tp"], answers["num_processes"] // machines["num_machines"], machines["num_machines"])
+    if warning:
+        print_fn(f"warning: {warning}")
     path = args.config_file
     from .fs import check_writable
 
@@ -249,12 +303,48 @@ def run_launch(args) -> int:
     from .launch_config import check_config, load_config
 
     data = load_config(args.config_file)
-    check_config(data, args.config_file, launching=True)
+    given = launch_overrides(args)
+    check_config(data, args.config_file, launching=True, given=given, launcher="megatron-plugin launch")
+    data = {**data, **given}
     if data["distributed_type"] == "MEGATRON_LM":
-        plugin_from_yaml(data, args.config_file)
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file, *args.script_args]
+        plugin = plugin_from_yaml(data, args.config_file)
+        machines = data.get("num_machines", 1)
+        warning = tp_warning(plugin.tp_degree, data["num_processes"] // machines, machines)
+        if warning:
+            print(f"warning: {warning}", file=sys.stderr)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
+           *launcher_flags(data, given), *args.script_args]
     os.execv(sys.executable, cmd)
     return 0  # not reached
+
+
+def launch_overrides(args) -> dict:
+    """The machine flags given to `megatron-plugin launch`, which win over the YAML's keys (one YAML for all
+    machines, each launched with its own --machine_rank)."""
+    out = {}
+    for key in MACHINE_KEYS:
+        given = getattr(args, key, None)
+        if given is None:
+            continue
+        try:
+            out[key] = (parse_bool if key == "same_network" else _text if key == "main_process_ip" else
+                        parse_str if key == "rdzv_backend" else parse_int)(f"--{key}", given)
+        except MegatronPluginConfigError as err:
+            raise MegatronPluginConfigError(f"--{key}", given, err.fix) from None
+    return out
+
+
+def launcher_flags(data: dict, given: dict) -> list:
+    """Flags for `accelerate launch`: the machine flags given, and the YAML's rdzv_backend and same_network,
+    which accelerate reads from its command line only (the defaults of its flags hide the YAML's values)."""
+    flags = []
+    for key in MACHINE_KEYS:
+        if key == "same_network":
+            if data.get(key):
+                flags.append("--same_network")  # a switch: off is its default
+        elif key in given or (key == "rdzv_backend" and key in data):
+            flags += [f"--{key}", str(data[key])]
+    return flags
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -273,7 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--recompute", default=None, help="selective activation recomputation: yes/no")
     cfg.add_argument("--distributed_optimizer", default=None, help="yes/no")
     cfg.add_argument("--gradient_clipping", default=None)
-    cfg.add_argument("--num_processes", default=None)
+    cfg.add_argument("--num_processes", default=None, help="processes in total, over all machines")
+    cfg.add_argument("--num_machines", default=None, help="machines running the training (1: this one only)")
+    cfg.add_argument("--machine_rank", default=None, help="this machine's rank, 0 to num_machines-1 (the YAML can be "
+                                                          "shared: `megatron-plugin launch --machine_rank` overrides it)")
+    cfg.add_argument("--main_process_ip", default=None, help="address of the machine of rank 0 (num_machines > 1)")
+    cfg.add_argument("--main_process_port", default=None, help="its port (default 29500 with several machines)")
+    cfg.add_argument("--rdzv_backend", default=None, help="rendezvous: static (default) or c10d")
     cfg.add_argument("--mixed_precision", default=None, choices=PRECISIONS)
     cfg.add_argument("--compile", default=None, help="compile the Megatron layers with torch.compile (GPU): yes/no")
     more = cfg.add_argument_group("the other megatron_lm_* settings (not asked; MegatronLMPlugin's fields of the same "
@@ -283,6 +379,14 @@ def build_parser() -> argparse.ArgumentParser:
         more.add_argument(f"--{name}", default=None, help=field.metadata.get("help"))
     launch = sub.add_parser("launch", help="check a config YAML, then run `accelerate launch` with it")
     launch.add_argument("--config_file", required=True)
+    where = launch.add_argument_group("where this machine's processes run (override the YAML's keys of the same name)")
+    where.add_argument("--num_processes", default=None, help="processes in total, over all machines")
+    where.add_argument("--num_machines", default=None)
+    where.add_argument("--machine_rank", default=None, help="this machine's rank (SLURM: $SLURM_NODEID)")
+    where.add_argument("--main_process_ip", default=None, help="address of the machine of rank 0")
+    where.add_argument("--main_process_port", default=None)
+    where.add_argument("--rdzv_backend", default=None, help="static or c10d")
+    where.add_argument("--same_network", default=None, help="yes/no")
     launch.add_argument("script_args", nargs=argparse.REMAINDER, help="the training script and its arguments")
     pre = sub.add_parser("preprocess-data", help="tokenize text into a Megatron indexed dataset (.bin/.idx) for "
                                                  "MegatronLMDummyDataLoader(data_path=...)")

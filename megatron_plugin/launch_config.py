@@ -4,6 +4,10 @@
 rest without a word, so a misspelled key (`megatron_lm_tp_degre: 2`) silently trains with TP=1. The
 launched script cannot see the YAML, but its parent process is the launcher: we read the config file
 from the launcher's command line (or accelerate's default config file) and refuse unknown keys.
+
+The keys saying where processes run (num_machines, machine_rank, main_process_ip, ...) are checked as
+torchrun will use them, with the launcher's own flags applied: on several machines one YAML is shared
+and each machine's launcher gets its own --machine_rank.
 """
 
 from __future__ import annotations
@@ -14,6 +18,12 @@ from typing import Optional
 
 from .errors import MegatronPluginConfigError
 
+# the keys saying where the processes run, which `accelerate launch` also takes as flags of the same name
+MACHINE_KEYS = ("num_processes", "num_machines", "machine_rank", "main_process_ip", "main_process_port",
+                "rdzv_backend", "same_network")
+# torch.distributed.run's rendezvous backends (c10d and etcd need same_network: false, see check_machines)
+RDZV_BACKENDS = ("static", "c10d", "etcd", "etcd-v2")
+
 
 def known_megatron_keys() -> set:
     """The `megatron_lm_*` settings `accelerate launch` understands."""
@@ -23,13 +33,43 @@ def known_megatron_keys() -> set:
     return {a.dest for a in parser._actions if a.dest.startswith("megatron_lm_")}
 
 
-def _launcher_config_file(pid: int) -> Optional[str]:
-    """`--config_file` of an `accelerate launch` process, as an absolute path (None if it is not one)."""
+def _launcher_argv(pid: int):
     try:
         with open(f"/proc/{pid}/cmdline", "rb") as f:
             argv = [a.decode(errors="replace") for a in f.read().split(b"\0") if a]
-        cwd = os.readlink(f"/proc/{pid}/cwd")
+        return argv, os.readlink(f"/proc/{pid}/cwd")
     except OSError:
+        return None, None
+
+
+def launcher_overrides(argv) -> dict:
+    """The MACHINE_KEYS an `accelerate launch` command line (its whole argv) sets, read with accelerate's
+    own parser; {} for anything else. rdzv_backend and same_network come back always: accelerate reads
+    them from the command line only (their flags' defaults hide the YAML's values)."""
+    from accelerate.commands.launch import launch_command_parser
+
+    for i, arg in enumerate(argv):
+        if arg == "accelerate.commands.launch" or (arg == "launch" and i and os.path.basename(argv[i - 1]) == "accelerate"):
+            rest = argv[i + 1:]
+            break
+    else:
+        return {}
+    import contextlib
+    import io
+
+    parser = launch_command_parser()
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            args = parser.parse_args(rest)
+    except SystemExit:  # a command line accelerate refused: not ours to judge
+        return {}
+    return {key: getattr(args, key) for key in MACHINE_KEYS if getattr(args, key, None) is not None}
+
+
+def _launcher_config_file(pid: int) -> Optional[str]:
+    """`--config_file` of an `accelerate launch` process, as an absolute path (None if it is not one)."""
+    argv, cwd = _launcher_argv(pid)
+    if argv is None:
         return None
     # `accelerate launch ...` or `python -m accelerate.commands.launch ...`
     is_launcher = "accelerate.commands.launch" in argv or (
@@ -127,9 +167,17 @@ def _check_top_level(data: dict, path: str, launching: bool) -> None:
                                         "add `num_processes: N` (the processes to start: GPUs, or CPU processes)")
 
 
-def check_config(data: dict, path: str, launching: bool = False) -> None:
+def check_config(data: dict, path: str, launching: bool = False, given: Optional[dict] = None,
+                 launcher: str = "accelerate launch") -> None:
     """Refuse settings `accelerate launch` would ignore or that cannot run. `launching`: checked before
-    `accelerate launch` runs, with the YAML all it gets (distributed_type and num_processes must be there)."""
+    `accelerate launch` runs, with the YAML all it gets (distributed_type and num_processes must be there).
+    `given`: MACHINE_KEYS set on the command line of `launcher`, which win over the YAML's."""
+    given = given or {}
+    data = {**data, **given}
+
+    def where(key):
+        return f"--{key} of {launcher}" if key in given else f"{key} in {path}"
+
     megatron = data.get("megatron_lm_config") or {}
     if not isinstance(megatron, dict):
         raise MegatronPluginConfigError(f"megatron_lm_config in {path}", megatron, "must be a mapping of megatron_lm_* keys")
@@ -144,8 +192,63 @@ def check_config(data: dict, path: str, launching: bool = False) -> None:
             )
     n = data.get("num_processes")
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):
-        raise MegatronPluginConfigError(f"num_processes in {path}", n, "use a whole number >= 1")
+        raise MegatronPluginConfigError(where("num_processes"), n, "use a whole number >= 1")
     _check_top_level(data, path, launching)
+    check_machines(data, where)
+
+
+def _whole(where, key, value, low, fix):
+    if not isinstance(value, int) or isinstance(value, bool) or value < low:
+        raise MegatronPluginConfigError(where(key), value, fix)
+
+
+def check_machines(data: dict, where) -> None:
+    """The keys saying where the processes run, as accelerate launch and torchrun will read them.
+    `where(key)` names a key in the error (the YAML's key, or the flag that set it).
+
+    num_processes is the total over all machines (accelerate starts num_processes / num_machines on each)."""
+    machines = data.get("num_machines", 1)
+    _whole(where, "num_machines", machines, 1, "use a whole number >= 1: how many machines run this training")
+    rank = data.get("machine_rank", 0)
+    _whole(where, "machine_rank", rank, 0, f"use this machine's rank, a whole number from 0 to {machines - 1}")
+    if rank >= machines:
+        raise MegatronPluginConfigError(
+            where("machine_rank"), rank, f"machine ranks run from 0 to num_machines-1={machines - 1}: give each machine "
+            "its own rank (under SLURM: --machine_rank $SLURM_NODEID)")
+    n = data.get("num_processes")
+    if isinstance(n, int) and not isinstance(n, bool) and n % machines:
+        raise MegatronPluginConfigError(
+            where("num_processes"), n, f"num_processes is the total over all {machines} machines and each runs the same "
+            f"number: use a multiple of num_machines={machines}, e.g. {machines * -(-n // machines)}")
+    ip = data.get("main_process_ip")
+    if ip is not None and (not isinstance(ip, str) or not ip.strip() or any(c.isspace() for c in ip) or "://" in ip):
+        raise MegatronPluginConfigError(where("main_process_ip"), ip, "use the bare address (IP or hostname) of the "
+                                        "machine of rank 0, e.g. 10.0.0.1; the port goes in main_process_port")
+    if machines > 1 and ip is None:
+        raise MegatronPluginConfigError(
+            where("main_process_ip"), None, f"with num_machines={machines}, every machine must reach the machine of rank "
+            "0: give its address (under SLURM: the first of `scontrol show hostnames $SLURM_JOB_NODELIST`)")
+    port = data.get("main_process_port")
+    if port is not None:
+        _whole(where, "main_process_port", port, 0, "use a TCP port number from 1 to 65535, e.g. 29500")
+        if port > 65535 or (port == 0 and machines > 1):
+            raise MegatronPluginConfigError(
+                where("main_process_port"), port, "use a TCP port number from 1 to 65535, e.g. 29500" +
+                (" (0, a free port, is chosen on each machine apart: they would not meet)" if port == 0 else ""))
+    backend = data.get("rdzv_backend", "static")
+    if backend not in RDZV_BACKENDS:
+        close = difflib.get_close_matches(str(backend), RDZV_BACKENDS, n=1)
+        hint = f"did you mean '{close[0]}'? " if close else ""
+        raise MegatronPluginConfigError(where("rdzv_backend"), backend, hint + f"use one of {list(RDZV_BACKENDS)}: "
+                                        "static (fixed machines, the default) or c10d (torchrun's elastic rendezvous)")
+    same = data.get("same_network", False)
+    if not isinstance(same, bool):
+        raise MegatronPluginConfigError(where("same_network"), same, "use true or false")
+    if machines > 1 and same and backend != "static":
+        # torchrun then gets master_addr/port and no rendezvous endpoint, which only static rendezvous reads
+        raise MegatronPluginConfigError(
+            where("rdzv_backend"), backend, f"the {backend} rendezvous meets at main_process_ip:main_process_port, "
+            "which accelerate hands to torchrun only with same_network: false: set same_network: false, or use static")
 
 
 def check_launch() -> Optional[str]:
@@ -154,5 +257,17 @@ def check_launch() -> Optional[str]:
     path = _launcher_config_file(os.getppid())
     if path is None:
         return None
-    check_config(load_config(path), path)
+    data = load_config(path)
+    argv, _ = _launcher_argv(os.getppid())
+    given = launcher_overrides(argv or [])
+    # the launcher's flags win over the YAML (under SLURM: --machine_rank $SLURM_NODEID)
+    check_config(data, path, given=given)
+    for key in ("rdzv_backend", "same_network"):
+        if key in given and key in data and data[key] != given[key] and data.get("num_machines", 1) > 1:
+            import logging
+
+            logging.getLogger(__name__).warning(
+                "%s: %r in %s was not used: accelerate launch reads it from its command line only (it ran with %r). "
+                "Pass --%s to accelerate launch, or launch with `megatron-plugin launch`, which passes it on",
+                key, data[key], path, given[key], key)
     return path

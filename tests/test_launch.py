@@ -314,3 +314,28 @@ def test_dpo_example_preference_accuracy_rises(tmp_path):
     losses = [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", out)]
     assert losses and losses[-1] < 0.69, losses  # below log 2, where it starts
     assert os.path.exists(os.path.join(tmp_path, "model", "config.json"))
+
+
+def test_launch_passes_machine_flags_to_the_launched_processes(tmp_path):
+    """`megatron-plugin launch --main_process_port P` (a machine flag over the YAML's key) reaches torchrun, and
+    the launched process's own check reads the same flag from its launcher's command line."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import os\nfrom megatron_plugin.launch_config import _launcher_argv, check_launch, launcher_overrides\n"
+        "given = launcher_overrides(_launcher_argv(os.getppid())[0])\n"
+        "print('LAUNCHED', os.environ['MASTER_PORT'], given['main_process_port'], given['rdzv_backend'], "
+        "check_launch() is not None)\n")
+    cfg = tmp_path / "one.yaml"
+    cfg.write_text(CPU + "num_processes: 1\nmixed_precision: 'no'\nnum_machines: 1\nmain_process_port: 1\n"
+                   "rdzv_backend: static\n")
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run([sys.executable, "-m", "megatron_plugin.cli", "launch", "--config_file", str(cfg),
+                           "--main_process_port", str(port), str(script)], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert f"LAUNCHED {port} {port} static True" in proc.stdout, proc.stdout + proc.stderr

@@ -12,7 +12,7 @@ PACKAGES = ("megatron_plugin", "train_steps", "checkpoint_utils")
 # bottom to top: a module may import from its own level and the levels below, never above
 LEVELS = [
     ("megatron_plugin.errors", "megatron_plugin.fs", "megatron_plugin.quiet", "megatron_plugin.plugin",
-     "megatron_plugin.launch_config", "megatron_plugin.layout"),
+     "megatron_plugin.launch_config", "megatron_plugin.layout", "megatron_plugin.placement"),
     ("megatron_plugin.layers",),
     ("megatron_plugin.patches",),
     ("megatron_plugin.models",),

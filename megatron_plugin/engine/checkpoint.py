@@ -19,6 +19,7 @@ from .checkpointing.layout import FORMAT, missing_checkpoint
 from .checkpointing.megatron_lm import NAME as TORCH_DIST
 from .checkpointing.megatron_lm import TorchDistFormat
 from .checkpointing.native import NativeFormat
+from .checkpointing.shared import check_shared_for_save, find_for_load
 from .checkpointing.state import TrainingState
 
 __all__ = ["ALIASES", "FORMATS", "agree", "format_for", "format_named", "load_state", "register_format", "save_state"]
@@ -55,11 +56,16 @@ def format_for(input_dir: str) -> CheckpointFormat:
 def save_state(output_dir: str, engine, custom_objects=(), distributed_optimizer: bool = False,
                format_name: str = TORCH_DIST) -> str:
     """Collective: every rank calls it. Returns the checkpoint's folder (see the format's `save`)."""
+    fmt = format_named(format_name)
+    # on several machines every rank writes its part there: a folder each machine has its own of is refused
+    # before anything is written (once per folder and run)
+    check_shared_for_save(output_dir, owner=engine)
     state = TrainingState.of_engine(engine, custom_objects, distributed_optimizer)
-    return format_named(format_name).save(output_dir, state)
+    return fmt.save(output_dir, state)
 
 
 def load_state(input_dir: str, engine, custom_objects=()) -> dict:
     """Collective. Loads model, optimizer, scheduler, RNG and iteration; returns the checkpoint's metadata."""
-    fmt = agree(lambda: format_for(input_dir))
+    # as `agree`, and a folder rank 0 reads but other machines cannot see is named as such
+    fmt = find_for_load(input_dir, lambda: format_for(input_dir))
     return fmt.load(input_dir, TrainingState.of_engine(engine, custom_objects))

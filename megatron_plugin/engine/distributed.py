@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 import socket
@@ -14,7 +15,10 @@ from megatron.core import parallel_state, tensor_parallel
 from .. import patches
 from ..layout import Layout, current_layout
 from ..models import check_model
+from ..placement import machine_names, placement
 from ..plugin import MegatronLMPlugin
+
+logger = logging.getLogger(__name__)
 
 
 def _free_port() -> int:
@@ -69,21 +73,45 @@ def initialize(plugin: MegatronLMPlugin, hf_config=None) -> Layout:
     return start(plugin, num_layers)
 
 
-def start(plugin: MegatronLMPlugin, num_layers=None) -> Layout:
-    """Collective: torch.distributed, mcore's TP x PP x DP groups and the seeds, from checked settings."""
-    device = init_process_group()
+def start(plugin: MegatronLMPlugin, num_layers=None, timeout_minutes: int = 30) -> Layout:
+    """Collective: torch.distributed, mcore's TP x PP x DP groups and the seeds, from checked settings.
+    `timeout_minutes`: of megatron-core's groups (and of the world group when it is started here; under
+    accelerate, accelerate starts it, with InitProcessGroupKwargs(timeout=...))."""
+    device = init_process_group(timeout_minutes)
     if not parallel_state.model_parallel_is_initialized():
         vpp = plugin.virtual_pipeline_stages(num_layers) if num_layers else None
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size=plugin.tp_degree,
             pipeline_model_parallel_size=plugin.pp_degree,
             virtual_pipeline_model_parallel_size=vpp,
+            distributed_timeout_minutes=timeout_minutes,
             # mcore's optimizer (its distributed-optimizer checkpointing) wants gloo side-groups next to
             # NCCL; on a CPU run the main groups already are gloo.
             create_gloo_process_groups=torch.cuda.is_available(),
         )
+        report_layout(plugin)
     set_seed(plugin.seed)
     return current_layout(device)
+
+
+def report_layout(plugin: MegatronLMPlugin) -> None:
+    """Collective, once per start: rank 0 logs which ranks form each TP / CP / PP / DP group and on which
+    machine (INFO), and warns when TP groups span machines. A world of one has nothing to place."""
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    node = os.environ.get("GROUP_RANK")  # torchrun's machine rank: tells apart launches sharing a hostname
+    here = (socket.gethostname(), int(node) if node is not None and node.isdigit() else None)
+    everyone = [None] * world
+    dist.all_gather_object(everyone, here)
+    if dist.get_rank() != 0:
+        return
+    machines = machine_names([h for h, _ in everyone], [n for _, n in everyone])
+    cp = plugin.context_parallel_size or 1
+    where = placement(world, plugin.tp_degree, plugin.pp_degree, cp, machines)
+    logger.info("%s", where.table(plugin.tp_degree, plugin.pp_degree, cp))
+    if where.warning:
+        logger.warning("%s", where.warning)
 
 
 def set_seed(seed: int) -> None:
