@@ -262,7 +262,12 @@ def check_launch() -> Optional[str]:
     given = launcher_overrides(argv or [])
     # the launcher's flags win over the YAML (under SLURM: --machine_rank $SLURM_NODEID)
     check_config(data, path, given=given)
+    backend = given.get("rdzv_backend", data.get("rdzv_backend", "static"))
     for key in ("rdzv_backend", "same_network"):
+        if key == "same_network" and backend == "static":
+            continue  # static rendezvous meets at the same address either way: nothing was lost
+        if os.environ.get("LOCAL_RANK", "0") != "0":
+            continue  # once per machine is enough
         if key in given and key in data and data[key] != given[key] and data.get("num_machines", 1) > 1:
             import logging
 
