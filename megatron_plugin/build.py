@@ -3,6 +3,7 @@ carrying the HF weights, the train step and the engine. Collective: every rank r
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 from typing import List
 
@@ -205,7 +206,8 @@ def build(spec: RunSpec, inputs: Inputs, timeout=None):
     """-> (engine, layout, the indexed-data iterators: train, validation, test as many as were asked for).
     `timeout` (a timedelta: accelerate's InitProcessGroupKwargs) also bounds megatron-core's groups."""
     patches.install(*spec.patches)
-    minutes = max(1, int(timeout.total_seconds() // 60)) if timeout is not None else 30
+    # whole minutes (megatron-core's unit), rounded up: never shorter than the user's timeout
+    minutes = max(1, math.ceil(timeout.total_seconds() / 60)) if timeout is not None else 30
     layout = start(spec.plugin, spec.num_layers, timeout_minutes=minutes)
     chunks = build_chunks(spec, inputs)
     iterators = indexed_iterators(spec, inputs, layout)

@@ -10,6 +10,7 @@ fastest, then CP, DP, PP), which `tests/test_multinode_config.py` holds to megat
 from __future__ import annotations
 
 import itertools
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
@@ -77,7 +78,10 @@ class Placement:
         dp = world // (tp * pp * cp)
         lines = [f"Megatron layout: {world} processes on {len(order)} machine(s); TP={tp} x CP={cp} x PP={pp} x DP={dp} "
                  "(megatron-core rank order tp-cp-dp-pp)"]
-        shown = [f"{m}: {_ranges([r for r in range(world) if self.machines[r] == m])}" for m in order[:SHOWN_GROUPS]]
+        ranks_of = {}
+        for r, m in enumerate(self.machines):
+            ranks_of.setdefault(m, []).append(r)
+        shown = [f"{m}: {_ranges(ranks_of[m])}" for m in order[:SHOWN_GROUPS]]
         more = f" | ... {len(order) - SHOWN_GROUPS} more" if len(order) > SHOWN_GROUPS else ""
         lines.append("  machines (ranks): " + " | ".join(shown) + more)
         for kind in ("tp", "cp", "pp", "dp"):
@@ -109,7 +113,7 @@ def placement(world_size: int, tp: int, pp: int, cp: int, machines: Sequence[str
     spanning = {k: sum(len({machines[r] for r in g}) > 1 for g in gs) for k, gs in groups.items()}
     out = Placement(groups, list(machines), spanning)
     if spanning["tp"]:
-        per_machine = {m: machines.count(m) for m in machines}
+        per_machine = Counter(machines)  # one pass: rank 0 runs this at start-up for every rank
         counts = sorted(set(per_machine.values()))
         out.warning = tp_warning(tp, counts[0], len(per_machine)) if len(counts) == 1 else None
         if out.warning is None:  # uneven machines, or ranks not numbered machine by machine

@@ -550,6 +550,12 @@ class MegatronLMPlugin:
                                             "use 'constant', 'linear' or 'cosine'")
         if self.ckpt_format not in CKPT_FORMATS:
             raise MegatronPluginConfigError("ckpt_format", self.ckpt_format, f"use one of {CKPT_FORMATS}")
+        if self.ckpt_format == "megatron_plugin" and self.decoder_last_pipeline_num_layers is not None:
+            # its files name stages by an even split of the layers; torch_dist records each layer's index
+            raise MegatronPluginConfigError(
+                "ckpt_format", "megatron_plugin",
+                f"a run with decoder_last_pipeline_num_layers={self.decoder_last_pipeline_num_layers} saves with "
+                "ckpt_format='torch_dist' (the megatron_plugin format assumes evenly split pipeline stages)")
         backend = self.attention_backend
         if not (isinstance(backend, bool) or backend in ATTENTION_BACKENDS):
             raise MegatronPluginConfigError("attention_backend", backend,

@@ -13,6 +13,7 @@ from accelerate.utils import MegatronLMPlugin as AcceleratePlugin
 
 from megatron_plugin import MegatronLMPlugin, MegatronPluginConfigError
 from megatron_plugin.plugin import ENV_FIELDS, FIELD_STATUS, config_key, field_status, migration_table
+from tests.test_plugin import clean_env  # noqa: F401  (the fixture: no MEGATRON_LM_* variables)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ACCELERATE_FIELDS = [f.name for f in dataclasses.fields(AcceleratePlugin)]
@@ -25,14 +26,6 @@ REFUSED_VALUES = {
     "pipeline_model_parallel_split_rank": 1,
     "use_custom_fsdp": True,
 }
-
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    for key in list(os.environ):
-        if key.startswith("MEGATRON_LM_"):
-            monkeypatch.delenv(key)
-    return monkeypatch
 
 
 def _resolve(path: str):

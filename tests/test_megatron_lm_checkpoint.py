@@ -220,11 +220,35 @@ def _load_legacy(root):
             "warnings": [str(w.message) for w in caught if "load_state" in str(w.message)]}
 
 
+def _legacy_of_uneven_stages(root):
+    """The legacy checkpoint changed as Megatron-LM's uneven pipelines would leave it: args naming an uneven
+    last stage; a stage's file holding more layers than an even split gives it. Both refused, naming why."""
+    acc, engine, _ = _prepared(tp=1, seed=7, num_micro=1)
+    out = {}
+    for case in ("args", "depth"):
+        bad = os.path.join(root, f"legacy_{case}")
+        shutil.copytree(os.path.join(root, "legacy"), bad)
+        for t in range(2):
+            path = os.path.join(bad, "iter_0000003", f"mp_rank_{t:02d}", "model_optim_rng.pt")
+            saved = torch.load(path, weights_only=False)
+            if case == "args":
+                saved["args"].decoder_last_pipeline_num_layers = 1
+            else:
+                saved["model"].update({k.replace(".layers.1.", ".layers.2."): v for k, v in saved["model"].items()
+                                       if ".layers.1." in k})
+            torch.save(saved, path)
+        out[case] = refusal(acc.load_state, bad)
+    return out
+
+
 def test_a_legacy_megatron_lm_checkpoint_loads_resharded(tmp_path):
     run_on_ranks(_write_legacy, 2, str(tmp_path))
     (res,) = run_on_ranks(_load_legacy, 1, str(tmp_path))
     assert res["format"] == "torch" and res["exact"] and res["iteration"] == 3 and res["steps"] == 3
     assert any("legacy" in w and "optimizer starts fresh" in w for w in res["warnings"]), res["warnings"]
+    (bad,) = run_on_ranks(_legacy_of_uneven_stages, 1, str(tmp_path))
+    check_refusal(bad["args"], "load_state", "decoder_last_pipeline_num_layers", "even stages only", exact=True)
+    check_refusal(bad["depth"], "load_state", "holds 3 layers in decoder.layers", "gives 2", exact=True)
 
 
 # -- no_save_optim, no_load_optim, RNG, registered objects, release (one process) -------------------------
@@ -282,23 +306,20 @@ def _optimizer_flags(root):
         ckpt = os.path.join(slim, sorted(os.listdir(slim))[0])
         files = sorted(os.path.relpath(os.path.join(d, f), ckpt) for d, _, fs in os.walk(ckpt) for f in fs)
 
-        acc3, engine3, _ = prepared_gpt2(0, model_overrides=dropout, ckpt_format=fmt)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            acc3.load_state(slim)
-        out[fmt]["no_save_optim"] = {
-            "weights": all(torch.equal(v, weights[k]) for k, v in model_weights(engine3).items()),
-            "optimizer_empty": not engine3.optimizer.state_dict()["state"], "steps": engine3.scheduler.num_steps == steps,
-            "warned": any("no optimizer state" in str(w.message) for w in caught), "files": files}
+        def weights_only_load(path, warning, **fields):
+            """A fresh run loads `path`: its weights, whether its optimizer stayed empty, its schedule, and
+            whether `warning` was given."""
+            acc_n, engine_n, _ = prepared_gpt2(0, model_overrides=dropout, ckpt_format=fmt, **fields)
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                acc_n.load_state(path)
+            return {"weights": all(torch.equal(v, weights[k]) for k, v in model_weights(engine_n).items()),
+                    "optimizer_empty": not engine_n.optimizer.state_dict()["state"],
+                    "steps": engine_n.scheduler.num_steps == steps,
+                    "warned": any(warning in str(w.message) for w in caught)}
 
-        acc4, engine4, _ = prepared_gpt2(0, model_overrides=dropout, ckpt_format=fmt, no_load_optim=True)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            acc4.load_state(full)
-        out[fmt]["no_load_optim"] = {
-            "weights": all(torch.equal(v, weights[k]) for k, v in model_weights(engine4).items()),
-            "optimizer_empty": not engine4.optimizer.state_dict()["state"], "steps": engine4.scheduler.num_steps == steps,
-            "warned": any("optimizer starts fresh" in str(w.message) for w in caught)}
+        out[fmt]["no_save_optim"] = dict(weights_only_load(slim, "no optimizer state"), files=files)
+        out[fmt]["no_load_optim"] = weights_only_load(full, "optimizer starts fresh", no_load_optim=True)
 
         acc5, engine5, _ = prepared_gpt2(0, model_overrides=dropout, ckpt_format=fmt)
         acc5.load_state(full)

@@ -162,3 +162,11 @@ def test_cpu_refusal_of_recompute_names_the_setting_that_was_set():
         with pytest.raises(MegatronPluginConfigError) as err:
             check_cpu_support(MegatronLMPlugin(**kwargs))
         assert err.value.setting == setting and "recompute_granularity=None" in err.value.fix
+
+
+def test_uneven_last_stage_needs_the_torch_dist_format(clean_env):
+    """The megatron_plugin format names stages by an even split: refused at construction, not at the first save."""
+    with pytest.raises(MegatronPluginConfigError, match="ckpt_format='megatron_plugin': a run with "
+                                                         "decoder_last_pipeline_num_layers=1 saves with ckpt_format='torch_dist'"):
+        MegatronLMPlugin(pp_degree=2, decoder_last_pipeline_num_layers=1, ckpt_format="megatron_plugin")
+    assert MegatronLMPlugin(pp_degree=2, decoder_last_pipeline_num_layers=1).ckpt_format == "torch_dist"

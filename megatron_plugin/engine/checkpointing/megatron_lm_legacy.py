@@ -32,10 +32,11 @@ from ...models.convert import model_dims
 from ...models.mapping import TRANSFORMS, StagePlan, TensorSlice, expand, unshard
 from .collective import agree
 from .megatron_lm_layout import legacy_dirs, legacy_file
-from .megatron_lm_state import model_key
+from .megatron_lm_state import another_model, args_differences, model_key
 from .state import TrainingState
 
 _LAYER = re.compile(r"^(.*\.layers\.\d+\.)(.+)$")
+_LAYER_INDEX = re.compile(r"^(.*\.layers)\.(\d+)\.")
 
 
 def load_legacy(ckpt: str, release: bool, state: TrainingState) -> dict:
@@ -115,6 +116,16 @@ class LegacyReader:
             raise MegatronPluginConfigError("load_state", self._file(0, 0), "it holds no 'model' state dict")
         rules = self.family.table(self.config, self.variant)
         num_layers = self.family.num_layers(self.config)
+        uneven = [k for k in ("decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+                  if getattr(args, k, None) is not None]
+        if num_layers % (self.pp * vpp) or uneven:
+            raise MegatronPluginConfigError(
+                "load_state", ckpt, f"its {self.pp} pipeline stages x {vpp} chunks do not hold the {num_layers} layers "
+                f"evenly ({', '.join(uneven) or 'an uneven split'}): legacy checkpoints are read with even stages only; "
+                "convert it with Megatron-LM to torch_dist, which records each layer's index")
+        self._chunk_keys, self._layers_per_chunk = chunk_keys, num_layers // (self.pp * vpp)
+        self._checked_stages = set()
+        self._check_depth(self.first, self._file(0, 0))
         self._source: Dict[str, tuple] = {}
         for p in range(self.pp):
             for vp in range(vpp):
@@ -128,15 +139,25 @@ class LegacyReader:
         self._cache: Tuple[tuple, List[torch.Tensor]] = ((), [])
 
     def _check_model(self, state, args) -> None:
-        c = state.model.config
-        mine = {"num_layers": c.num_layers, "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
-                "ffn_hidden_size": c.ffn_hidden_size}
-        differ = [f"{k}: checkpoint {getattr(args, k)}, this model {v}" for k, v in mine.items()
-                  if getattr(args, k, None) is not None and getattr(args, k) != v]
+        differ = args_differences(state.model.config, args)
         if differ:
-            raise MegatronPluginConfigError(
-                "load_state", self.ckpt, f"the checkpoint is of another model ({'; '.join(differ)}): load it into a "
-                "model built from the checkpoint's config, or pass a checkpoint saved from this model")
+            raise another_model(self.ckpt, differ)
+
+    def _check_depth(self, saved: dict, path: str) -> None:
+        """Each model chunk of a stage's file holds the layers an even split gives it; a stage of another
+        depth (uneven stages, another model) would otherwise load layers into the wrong places."""
+        for key in self._chunk_keys:
+            stacks: Dict[str, set] = {}
+            for name in saved.get(key) or {}:
+                m = _LAYER_INDEX.match(name)
+                if m:
+                    stacks.setdefault(m.group(1), set()).add(int(m.group(2)))
+            for stack, indices in stacks.items():
+                if len(indices) != self._layers_per_chunk:
+                    raise MegatronPluginConfigError(
+                        "load_state", path, f"its {key!r} holds {len(indices)} layers in {stack}, an even split of "
+                        f"this model gives {self._layers_per_chunk}: legacy checkpoints are read with even stages of "
+                        "this model only")
 
     def _file(self, t: int, p: int) -> str:
         return legacy_file(self.ckpt, t, p, self.pp)
@@ -168,6 +189,10 @@ class LegacyReader:
         if self._stage[0] != p:
             self._stage = (p, [])  # one stage in memory at a time
             self._stage = (p, [self.first if (t, p) == (0, 0) else self._read(t, p) for t in range(self.tp)])
+            if p not in self._checked_stages:
+                for t, saved in enumerate(self._stage[1]):
+                    self._check_depth(saved, self._file(t, p))
+                self._checked_stages.add(p)
         return self._stage[1]
 
     def get_slice(self, name: str):
@@ -184,7 +209,12 @@ class LegacyReader:
                     raise MegatronPluginConfigError(
                         "load_state", self._file(t, p), f"its {key!r} state dict lacks {mcore_name!r}: is it of this model?")
                 shards.append(tensors[mcore_name])
-            self._cache = (where, TRANSFORMS[rule.transform].to_hf(unshard(shards, rule), self.dims))
+            try:
+                self._cache = (where, TRANSFORMS[rule.transform].to_hf(unshard(shards, rule), self.dims))
+            except (RuntimeError, ValueError, IndexError) as err:  # shapes of another model: every rank must hear it
+                raise MegatronPluginConfigError(
+                    "load_state", self._file(0, p), f"its {mcore_name!r} does not fit this model "
+                    f"({type(err).__name__}: {err})") from None
         return self._cache[1][index]
 
     def release_memory(self) -> None:

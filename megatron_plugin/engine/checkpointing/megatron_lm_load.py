@@ -29,7 +29,8 @@ from ...errors import MegatronPluginConfigError
 from .collective import agree
 from .megatron_lm_layout import (COMMON, DCP_METADATA, check_storage_files, my_share, read_checksums, read_config,
                                  verify_checksums)
-from .megatron_lm_state import (CUSTOM_OBJECTS, ENTRY, RESHARDABLE, RNG, custom_objects_object,
+from .megatron_lm_state import (CUSTOM_OBJECTS, ENTRY, RESHARDABLE, RNG, another_model, args_differences,
+                                custom_objects_object,
                                 from_megatron_rng, has_object, mcore_optimizer_load, mcore_optimizer_ready_to_load,
                                 model_key,
                                 model_sharded_state_dict, object_shape,
@@ -141,21 +142,9 @@ def _check_model(plan: _Plan, state: TrainingState) -> None:
                 "load_state", os.path.join(plan.ckpt, COMMON), f"cannot read the model config it records "
                 f"({type(err).__name__}: {err}): is the file damaged?") from None
     else:
-        c, args = state.model.config, plan.args
-        mine = {"num_layers": c.num_layers, "hidden_size": c.hidden_size, "num_attention_heads": c.num_attention_heads,
-                "ffn_hidden_size": c.ffn_hidden_size, "num_query_groups": c.num_query_groups or c.num_attention_heads}
-        differ = []
-        for name, value in mine.items():
-            saved = getattr(args, name, None)
-            if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
-                saved = getattr(args, "num_attention_heads", None)
-            if saved is not None and saved != value:
-                differ.append(f"{name}: checkpoint {saved}, this model {value}")
+        differ = args_differences(state.model.config, plan.args)
     if differ:
-        raise MegatronPluginConfigError(
-            "load_state", plan.ckpt,
-            f"the checkpoint is of another model ({'; '.join(differ)}): load it into a model built from the "
-            "checkpoint's config, or pass a checkpoint saved from this model")
+        raise another_model(plan.ckpt, differ)
 
 
 def _decide_optimizer(plan: _Plan, state: TrainingState) -> None:

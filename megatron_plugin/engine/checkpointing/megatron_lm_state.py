@@ -394,3 +394,26 @@ __all__ = [
     "rng_object", "rng_request", "save_state_dict", "sharding_metadata", "tensor_dtypes",
     "torch_optimizer_loaded", "torch_optimizer_request", "torch_optimizer_state", "without_extra_state",
 ]
+
+
+def args_differences(config, args) -> list:
+    """How the shape settings a Megatron-LM checkpoint's args record differ from this run's TransformerConfig
+    (for checkpoints without our entry): ['name: checkpoint X, this model Y', ...]. Megatron-LM records
+    num_query_groups only with --group-query-attention; without it every head is its own group."""
+    mine = {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
+            "num_attention_heads": config.num_attention_heads, "ffn_hidden_size": config.ffn_hidden_size,
+            "num_query_groups": config.num_query_groups or config.num_attention_heads}
+    differ = []
+    for name, value in mine.items():
+        saved = getattr(args, name, None)
+        if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
+            saved = getattr(args, "num_attention_heads", None)
+        if saved is not None and saved != value:
+            differ.append(f"{name}: checkpoint {saved}, this model {value}")
+    return differ
+
+
+def another_model(ckpt: str, differ: list) -> MegatronPluginConfigError:
+    return MegatronPluginConfigError(
+        "load_state", ckpt, f"the checkpoint is of another model ({'; '.join(differ)}): load it into a model built "
+        "from the checkpoint's config, or pass a checkpoint saved from this model")

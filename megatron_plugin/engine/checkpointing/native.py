@@ -23,29 +23,30 @@ class NativeFormat(CheckpointFormat):
         return is_checkpoint_dir(path)
 
     def save(self, output_dir: str, state: TrainingState) -> str:
-        _check_even_stages(state, "save_state")
-        return save(output_dir, state)
+        return save(output_dir, state)  # uneven stages are refused by plugin.validate (ckpt_format)
 
     def load(self, input_dir: str, state: TrainingState) -> dict:
         """Every file is checked against the checksum saved with it before anything is loaded. A
         checkpoint of another TP/PP layout is resharded; one of another model is refused."""
-        ckpt, meta = agree(lambda: (_check_even_stages(state, "load_state"), _locate(input_dir, state))[1])
+        ckpt, meta = agree(lambda: _locate_for_even_stages(input_dir, state))
         grid = state.layout
         if (meta["tp"], meta["pp"], meta.get("vpp")) != (grid.tp_size, grid.pp_size, state.vpp):
             return load_resharded(ckpt, meta, state)
         return load_same_layout(ckpt, meta, state)
 
 
-def _check_even_stages(state: TrainingState, what: str) -> None:
-    """This format's files name stages by an even split of the layers; an uneven last stage would put the
-    wrong layers on each stage. torch_dist records each layer's global index."""
+def _locate_for_even_stages(input_dir: str, state: TrainingState):
+    """`_locate`, for a run whose stages are split evenly: this format's files name stages by an even split of
+    the layers, so loading into an uneven last stage would put the wrong layers on each stage (a torch_dist
+    checkpoint records each layer's global index)."""
     last = getattr(state.model.plugin, "decoder_last_pipeline_num_layers", None)
     if last is not None:
         raise MegatronPluginConfigError(
-            "ckpt_format", "megatron_plugin",
-            f"{what} of a run with decoder_last_pipeline_num_layers={last} needs ckpt_format='torch_dist' (the "
-            "megatron_plugin format assumes evenly split pipeline stages)",
+            "load_state", input_dir,
+            f"a checkpoint of the megatron_plugin format loads into evenly split pipeline stages only, and this run has "
+            f"decoder_last_pipeline_num_layers={last}: convert it with checkpoint_utils --checkpoint_format torch_dist",
         )
+    return _locate(input_dir, state)
 
 
 def _locate(input_dir: str, state: TrainingState):
