@@ -149,6 +149,7 @@ def main(argv=None):
     if args.output_dir:
         saved = accelerator.save_state(os.path.join(args.output_dir, f"step_{completed_steps}"))
         accelerator.print(f"checkpoint written to {saved}")
+    accelerator.end_training()  # no process group left alive at exit
 
 
 if __name__ == "__main__":

@@ -226,6 +226,20 @@ class Accelerator(accelerate.Accelerator):
         engine = self._prepared("get_state_dict", ready=True)
         return full_state_dict(engine)
 
+    def end_training(self):
+        """accelerate's end of a run (trackers finished, process group destroyed), and ours before it: the
+        TensorBoard writer closed (its last scalars flushed) and megatron-core's groups destroyed, so no gloo or
+        NCCL group is still alive when the interpreter exits."""
+        if self._megatron is not None and getattr(self, "_engine", None) is not None:
+            if getattr(self._engine, "tensorboard", None) is not None:
+                self._engine.tensorboard.close()
+            from megatron.core import parallel_state
+
+            self.wait_for_everyone()
+            if parallel_state.model_parallel_is_initialized():
+                parallel_state.destroy_model_parallel()
+        super().end_training()
+
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
         """Write an HF checkpoint (config, sharded safetensors, index) straight from the TP/PP model:
         tensor by tensor, written by global rank 0, `from_pretrained` loads it. Collective."""

@@ -211,7 +211,10 @@ def _tensorboard_worker(log_dir):
         losses.append(engine(**batch).loss.item())
         lrs.append(sched.get_last_lr()[0])
         norms.append(acc.clip_grad_norm_(engine.parameters(), 1.0).item())
-    engine.tensorboard.close()
+    acc.end_training()  # the HF idiom: closes the writer (its scalars flushed) and every process group
+    from megatron.core import parallel_state
+
+    assert not torch.distributed.is_initialized() and not parallel_state.model_parallel_is_initialized()
     return losses, lrs, norms
 
 
