@@ -5,7 +5,12 @@ Megatron formats (each one read and written):
 - `torch_dist` (default): Megatron-LM's layout (`latest_checkpointed_iteration.txt`, `iter_N/` or `release/`)
   with megatron-core's dist_checkpointing files; layout-free, any TP/PP loads it.
 - `torch`: Megatron-LM's legacy layout, `iter_N/mp_rank_TT[_PPP]/model_optim_rng.pt` per (TP, PP) rank.
-- `megatron_plugin`: this package's own, safetensors per (TP, PP) rank.
+- `megatron_plugin`: this package's own, safetensors per (TP, PP) rank (an MoE model's experts per expert
+  TP x EP x PP rank).
+
+MoE models (Mixtral, Qwen2-MoE, Qwen3-MoE) convert at any `--target_expert_model_parallel_size` (EP) and
+`--target_expert_tensor_parallel_size`; torch_dist is layout-free (EP is recorded in its args), the legacy
+format writes Megatron-LM's `mp_rank_TT[_PPP]_EEE` folders when EP > 1.
 
 Megatron-LM, NeMo, Megatron-Bridge and verl read the first two; `accelerator.load_state` reads all three.
 
@@ -22,6 +27,9 @@ Examples:
     # a checkpoint Megatron-LM wrote (it does not name the HF model): give the HF config folder
     python -m checkpoint_utils.convert --convert_checkpoint_from_megatron_to_transformers \
         --load_path gpt/iter_0005000 --save_path gpt/hf3 --hf_config gpt/hf
+    # an MoE model for EP=2 in Megatron-LM's legacy per-rank files (mp_rank_TT_EEE/)
+    python -m checkpoint_utils.convert --load_path mixtral/hf --save_path mixtral/megatron --checkpoint_format torch \
+        --target_tensor_model_parallel_size 2 --target_expert_model_parallel_size 2
     # Megatron -> Megatron with another TP/PP or format (give a Megatron checkpoint as --load_path)
     python -m checkpoint_utils.convert --load_path gpt/megatron --save_path gpt/megatron_tp1_pp2 \
         --target_tensor_model_parallel_size 1 --target_pipeline_model_parallel_size 2 --checkpoint_format torch
@@ -63,14 +71,55 @@ def _dtype(name: Optional[str]):
     return DTYPES[name]
 
 
-def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1, params_dtype: str = "fp32",
+def expert_layout(family, cfg, *, tp: int, pp: int, dp: Optional[int], ep: int, etp: Optional[int],
+                  checkpoint_format: str):
+    """(dp, etp) of a target layout with `ep` expert-parallel ranks, checked as Megatron-Core checks it: the
+    experts split evenly over EP, the world of TP x PP x DP ranks split evenly by expert TP x EP x PP. DP
+    only names the world in the checkpoint's args; unset, the smallest that fits."""
+    experts = family.num_experts(cfg)
+    etp = tp if etp is None else etp
+    if ep < 1 or etp < 1:
+        raise MegatronPluginConfigError(
+            "--target_expert_model_parallel_size" if ep < 1 else "--target_expert_tensor_parallel_size",
+            ep if ep < 1 else etp, "use a positive size")
+    if not experts and (ep > 1 or etp != tp):
+        raise MegatronPluginConfigError(
+            "--target_expert_model_parallel_size" if ep > 1 else "--target_expert_tensor_parallel_size",
+            ep if ep > 1 else etp, f"the {family.name} model has no experts: leave the expert sizes unset")
+    if experts and experts % ep:
+        raise MegatronPluginConfigError(
+            "--target_expert_model_parallel_size", ep,
+            f"the model's {experts} experts must split evenly over expert-parallel ranks: use a divisor of {experts}")
+    width = family.transformer_config(cfg).get("moe_ffn_hidden_size") if experts else None
+    if width and width % etp:
+        raise MegatronPluginConfigError(
+            "--target_expert_tensor_parallel_size", etp,
+            f"the experts' MLP width {width} must split evenly over expert tensor-parallel ranks: use a divisor of {width}")
+    if experts and checkpoint_format == "torch" and etp != tp:
+        raise MegatronPluginConfigError(
+            "--target_expert_tensor_parallel_size", etp,
+            "Megatron-LM's legacy torch files name a rank by its dense TP rank only: use the torch_dist or "
+            f"megatron_plugin format for an expert TP other than the TP ({tp})")
+    if dp is None:
+        dp = next(d for d in range(1, etp * ep * pp + 1) if (tp * pp * d) % (etp * ep * pp) == 0)
+    if (tp * pp * dp) % (etp * ep * pp):
+        raise MegatronPluginConfigError(
+            "--target_data_parallel_size", dp,
+            f"Megatron-Core lays expert TP x EP x PP = {etp} x {ep} x {pp} over the world of TP x PP x DP = "
+            f"{tp} x {pp} x {dp} ranks, which it must divide: use a DP that makes it so")
+    return dp, etp
+
+
+def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: Optional[int] = None, params_dtype: str = "fp32",
                    make_vocab_size_divisible_by: int = 128, use_distributed_optimizer: bool = False,
                    checkpoint_format: str = "torch_dist", overwrite: bool = False, print_structure: bool = False,
-                   progress: bool = True, release: bool = True) -> str:
+                   progress: bool = True, release: bool = True, ep: int = 1, etp: Optional[int] = None) -> str:
     """Write `reader`'s model (an HF folder's or a Megatron checkpoint's) as a model-only Megatron checkpoint
-    in `checkpoint_format`, laid out (and its vocabulary padded) for TP x PP x DP ranks. A reshaped
-    Megatron checkpoint keeps its iteration. An HF model is written as Megatron-LM's `release/` checkpoint,
-    or with `release=False` as `iter_0000000/` with a tracker holding 0 (accelerate's example asserts that)."""
+    in `checkpoint_format`, laid out (and its vocabulary padded) for TP x PP x DP ranks, an MoE model's
+    experts over `ep` expert-parallel ranks split over `etp` expert tensor-parallel ranks (default: TP). A
+    reshaped Megatron checkpoint keeps its iteration. An HF model is written as Megatron-LM's `release/`
+    checkpoint, or with `release=False` as `iter_0000000/` with a tracker holding 0 (accelerate's example
+    asserts that)."""
     from megatron_plugin.models import check_model
 
     from .megatron_lm_layout import FORMATS
@@ -78,6 +127,7 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
     if checkpoint_format not in FORMATS:
         raise MegatronPluginConfigError("--checkpoint_format", checkpoint_format, f"use one of {list(FORMATS)}")
     cfg, family = reader.config, reader.family
+    dp, etp = expert_layout(family, cfg, tp=tp, pp=pp, dp=dp, ep=ep, etp=etp, checkpoint_format=checkpoint_format)
     plugin = MegatronLMPlugin(tp_degree=tp, pp_degree=pp, make_vocab_size_divisible_by=make_vocab_size_divisible_by)
     plugin.validate(world_size=tp * pp * dp)
     check_model(plugin, cfg)
@@ -87,7 +137,7 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
         raise MegatronPluginConfigError("--load_path", getattr(reader, "path", reader), f"lacks tensors {missing[:5]}")
     settings = dict(tp=tp, pp=pp, dp=dp, params_dtype=params_dtype, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                     use_distributed_optimizer=use_distributed_optimizer, overwrite=overwrite,
-                    print_structure=print_structure, progress=progress)
+                    print_structure=print_structure, progress=progress, ep=ep, etp=etp)
     with _process_group_for(reader, checkpoint_format):
         if checkpoint_format == "megatron_plugin":
             return _write_native(reader, save_path, **settings)
@@ -96,7 +146,7 @@ def write_megatron(reader, save_path: str, tp: int = 1, pp: int = 1, dp: int = 1
 
 def _write_megatron_lm(reader, save_path: str, checkpoint_format: str, *, tp, pp, dp, params_dtype,
                        make_vocab_size_divisible_by, use_distributed_optimizer, overwrite, print_structure,
-                       progress, release: bool = True) -> str:
+                       progress, release: bool = True, ep: int = 1, etp: Optional[int] = None) -> str:
     """Megatron-LM's layout: the tracker file and one iteration's folder, torch_dist or legacy."""
     from tqdm.auto import tqdm
 
@@ -112,9 +162,9 @@ def _write_megatron_lm(reader, save_path: str, checkpoint_format: str, *, tp, pp
     args = megatron_lm_args(family, variant, cfg, tp=tp, pp=pp, dp=dp, params_dtype=params_dtype,
                             make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                             use_distributed_optimizer=use_distributed_optimizer, iteration=iteration,
-                            ckpt_format=checkpoint_format)
+                            ckpt_format=checkpoint_format, ep=ep, etp=etp)
     entry = plugin_entry(family, variant, cfg, make_vocab_size_divisible_by=make_vocab_size_divisible_by, tp=tp, pp=pp,
-                         dp=dp, distributed_optimizer=use_distributed_optimizer)
+                         dp=dp, distributed_optimizer=use_distributed_optimizer, ep=ep, etp=etp)
     dtype = _dtype(params_dtype)
     with staged_output(save_path, overwrite) as out:
         ckpt = os.path.join(out, tag_for(iteration, release))
@@ -123,8 +173,8 @@ def _write_megatron_lm(reader, save_path: str, checkpoint_format: str, *, tp, pp
                              iteration=iteration, args=args, entry=entry, distributed_optimizer=use_distributed_optimizer,
                              print_structure=print_structure)
         else:
-            bar = tqdm(total=tp * pp, desc="megatron shards", disable=not progress)
-            legacy.write(reader, ckpt, tp=tp, pp=pp, dims=model_dims(family, cfg, make_vocab_size_divisible_by, tp),
+            bar = tqdm(total=tp * pp * ep, desc="megatron shards", disable=not progress)
+            legacy.write(reader, ckpt, tp=tp, pp=pp, ep=ep, dims=model_dims(family, cfg, make_vocab_size_divisible_by, tp),
                          params_dtype=dtype, iteration=iteration, args=args, entry=entry,
                          on_file=(lambda f, t: _print_file(f, t, os.path.relpath(f, out))) if print_structure else None,
                          progress=lambda: bar.update(1))
@@ -135,16 +185,19 @@ def _write_megatron_lm(reader, save_path: str, checkpoint_format: str, *, tp, pp
 
 
 def _write_native(reader, save_path: str, *, tp, pp, dp, params_dtype, make_vocab_size_divisible_by,
-                  use_distributed_optimizer, overwrite, print_structure, progress) -> str:
-    """This package's own format (`megatron_plugin/1`): safetensors per (TP, PP) rank and meta.json."""
+                  use_distributed_optimizer, overwrite, print_structure, progress, ep: int = 1,
+                  etp: Optional[int] = None) -> str:
+    """This package's own format (`megatron_plugin/1`): safetensors per (TP, PP) rank, an MoE model's routed
+    experts per (expert TP, EP, PP) rank, and meta.json."""
     from safetensors.torch import save_file
     from tqdm.auto import tqdm
 
-    from megatron_plugin.engine.checkpointing.layout import checkpoint_meta, model_file, point_latest, write_meta
-    from megatron_plugin.engine.hf_io import staged_output
+    from megatron_plugin.engine.checkpointing.layout import (checkpoint_meta, expert_file, model_file, point_latest,
+                                                             write_meta)
+    from megatron_plugin.engine.hf_io import staged_output, with_experts
     from megatron_plugin.fs import file_checksum
     from megatron_plugin.models.convert import model_dims
-    from megatron_plugin.models.mapping import StagePlan, hf_to_mcore
+    from megatron_plugin.models.mapping import StagePlan, expand, read_shard
 
     cfg, family, variant = reader.config, reader.family, reader.variant
     dtype = _dtype(params_dtype)
@@ -152,27 +205,40 @@ def _write_native(reader, save_path: str, *, tp, pp, dp, params_dtype, make_voca
     num_layers = family.num_layers(cfg)
     dims = model_dims(family, cfg, make_vocab_size_divisible_by, tp)
     iteration = getattr(reader, "meta", {}).get("iteration", 0)
+    has_experts = bool(family.num_experts(cfg))
+    etp = etp or tp
     tag = f"iter_{iteration:07d}"
+
+    def write(file, tensors):
+        save_file(tensors, file)
+        files[os.path.relpath(file, os.path.join(out, tag))] = file_checksum(file)
+        if print_structure:
+            _print_file(file, tensors)
+
+    def tensors_of(plan, experts: bool, size: int, rank: int):
+        return {name: read_shard(reader.get_slice, rule, hf_names, dims, size, rank).to(dtype).contiguous()
+                for rule, hf_names, name in expand([r for r in rules if r.per_expert == experts], plan)}
+
     with staged_output(save_path, overwrite) as out:
         os.makedirs(os.path.join(out, tag, "model"))
         files = {}
-        bar = tqdm(total=tp * pp, desc="megatron shards", disable=not progress)
+        bar = tqdm(total=pp * (tp + (etp * ep if has_experts else 0)), desc="megatron shards", disable=not progress)
         for pp_rank in range(pp):
-            plan = StagePlan.for_rank(num_layers, pp, pp_rank)
+            stage = StagePlan.for_rank(num_layers, pp, pp_rank)
             for t in range(tp):
-                tensors = {name: x.to(dtype).contiguous() for name, x in hf_to_mcore(reader.get_slice, rules, dims, plan, tp, t)}
-                file = model_file(os.path.join(out, tag), t, pp_rank)
-                save_file(tensors, file)
-                files[os.path.relpath(file, os.path.join(out, tag))] = file_checksum(file)
-                if print_structure:
-                    _print_file(file, tensors)
-                del tensors
+                write(model_file(os.path.join(out, tag), t, pp_rank), tensors_of(stage, False, tp, t))
                 bar.update(1)
+            for e in range(ep if has_experts else 0):
+                plan = with_experts(family, cfg, stage, ep, e)
+                for t in range(etp):
+                    write(expert_file(os.path.join(out, tag), t, e, pp_rank), tensors_of(plan, True, etp, t))
+                    bar.update(1)
         bar.close()
         write_meta(os.path.join(out, tag, "meta.json"), dict(checkpoint_meta(
             iteration=iteration, tp=tp, pp=pp, dp=dp, vpp=None, distributed_optimizer=use_distributed_optimizer,
             model_only=True, family=family.name, variant=variant,
             make_vocab_size_divisible_by=make_vocab_size_divisible_by, hf_config=cfg.to_dict(),
+            **(dict(ep=ep, etp=etp) if has_experts else {}),
         ), files=files))
         point_latest(out, tag)
     return save_path
@@ -277,7 +343,12 @@ def build_parser():
     p.add_argument("--save_path", required=True)
     p.add_argument("--target_tensor_model_parallel_size", type=int, default=1)
     p.add_argument("--target_pipeline_model_parallel_size", type=int, default=1)
-    p.add_argument("--target_data_parallel_size", type=int, default=1)
+    p.add_argument("--target_data_parallel_size", type=int, default=None,
+                   help="recorded in the checkpoint's args; default: the smallest the expert layout allows (1 without)")
+    p.add_argument("--target_expert_model_parallel_size", type=int, default=1,
+                   help="expert-parallel ranks an MoE model's experts are split over (Megatron-LM's expert_model_parallel_size)")
+    p.add_argument("--target_expert_tensor_parallel_size", type=int, default=None,
+                   help="tensor-parallel ranks inside each expert (Megatron-LM's expert_tensor_parallel_size); default: the TP")
     p.add_argument("--target_params_dtype", default=None, choices=DTYPE_NAMES, help="default: as stored (fp32 for Megatron output)")
     p.add_argument("--make_vocab_size_divisible_by", type=int, default=128)
     p.add_argument("--use_distributed_optimizer", action="store_true")
@@ -307,7 +378,8 @@ def main(argv=None) -> int:
                                    params_dtype=a.target_params_dtype, tokenizer_name=a.tokenizer_name, **common)
         else:
             kwargs = dict(tp=a.target_tensor_model_parallel_size, pp=a.target_pipeline_model_parallel_size,
-                          dp=a.target_data_parallel_size, params_dtype=a.target_params_dtype or "fp32",
+                          dp=a.target_data_parallel_size, ep=a.target_expert_model_parallel_size,
+                          etp=a.target_expert_tensor_parallel_size, params_dtype=a.target_params_dtype or "fp32",
                           make_vocab_size_divisible_by=a.make_vocab_size_divisible_by,
                           use_distributed_optimizer=a.use_distributed_optimizer,
                           checkpoint_format=a.checkpoint_format, **common)

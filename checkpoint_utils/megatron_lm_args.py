@@ -13,7 +13,7 @@ from typing import Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from megatron_plugin.engine.checkpointing.megatron_lm_state import ENTRY
+from megatron_plugin.engine.checkpointing.megatron_lm_state import ENTRY, moe_args
 from megatron_plugin.errors import MegatronPluginConfigError
 from megatron_plugin.models import get_family
 from megatron_plugin.models.gpt import padded_vocab_size
@@ -22,17 +22,17 @@ DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 def plugin_entry(family, variant: str, hf_config, *, make_vocab_size_divisible_by: int, tp: int, pp: int, dp: int,
-                 distributed_optimizer: bool) -> dict:
+                 distributed_optimizer: bool, ep: int = 1, etp: Optional[int] = None) -> dict:
     """The entry save_state writes (engine/checkpointing/megatron_lm_state.plugin_entry), for a model-only
     checkpoint: no engine, optimizer or registered objects."""
     return dict(family=family.name, variant=variant, make_vocab_size_divisible_by=make_vocab_size_divisible_by,
                 hf_config=hf_config.to_dict(), tp=tp, pp=pp, dp=dp, vpp=None, world_size=tp * pp * dp, engine=None,
-                distributed_optimizer=distributed_optimizer, custom_objects=0, optimizer=None)
+                distributed_optimizer=distributed_optimizer, custom_objects=0, optimizer=None, ep=ep, etp=etp or tp)
 
 
 def megatron_lm_args(family, variant: str, hf_config, *, tp: int, pp: int, dp: int, params_dtype: str,
                      make_vocab_size_divisible_by: int, use_distributed_optimizer: bool, iteration: int,
-                     ckpt_format: str) -> argparse.Namespace:
+                     ckpt_format: str, ep: int = 1, etp: Optional[int] = None) -> argparse.Namespace:
     """The `args` of a checkpoint as Megatron-LM's `save_checkpoint` stores them (the fields its loaders
     and converters read, as save_state's `megatron_lm_state.megatron_args` writes them), for the layout the
     checkpoint is meant for."""
@@ -59,7 +59,7 @@ def megatron_lm_args(family, variant: str, hf_config, *, tp: int, pp: int, dp: i
         untie_embeddings_and_output_weights=not family.tied_embeddings(hf_config),
         hidden_dropout=tc.get("hidden_dropout"), attention_dropout=tc.get("attention_dropout"),
         init_method_std=tc.get("init_method_std"), sequence_parallel=False, context_parallel_size=1,
-        expert_model_parallel_size=1, num_experts=None,
+        **moe_args(tc.get, ep, etp or tp),
         fp16=params_dtype == "fp16", bf16=params_dtype == "bf16", params_dtype=DTYPES[params_dtype],
         use_distributed_optimizer=use_distributed_optimizer, ckpt_format=ckpt_format,
         use_dist_ckpt=ckpt_format == "torch_dist", transformer_impl="local",

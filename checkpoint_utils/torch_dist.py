@@ -29,7 +29,6 @@ from megatron_plugin.engine.checkpointing.megatron_lm_state import (
     sharding_metadata,
 )
 from megatron_plugin.errors import MegatronPluginConfigError
-from megatron_plugin.models.mapping import StagePlan
 
 from .mapped_reader import MappedReader
 from .megatron_lm_args import model_of
@@ -52,7 +51,7 @@ def build_module(reader, tp: int, params_dtype: torch.dtype, make_vocab_size_div
     installed = patches.install(*patches.for_run("cpu", wgrad_fusion=False, rotary=family.rotary))
     try:
         config = build_transformer_config(family, cfg, plugin, params_dtype=params_dtype, device_type="cpu")
-        plan = StagePlan.single(config.num_layers)
+        plan = family.whole_plan(cfg)  # every layer and, in one process, every expert
         module = (family.build or build_model)(family, cfg, config, plugin, plan, variant=variant, backend="local")
         load_hf_into_mcore(module, reader.get_slice, reader.names, family, cfg, plan, model_dims(family, cfg, divisible, 1),
                            variant=variant, tp_size=1, tp_rank=0, extra_tensors="warn")
@@ -141,36 +140,39 @@ class TorchDistReader(MappedReader):
         iteration = common.get("iteration")
         self.meta = {"iteration": int(iteration) if isinstance(iteration, int) else iteration_of_tag(ckpt)}
         self.tensors = _tensors_metadata(ckpt, setting)
-        super().__init__(config, family, variant, [(0, 0, StagePlan.single(family.num_layers(config)))], setting, ckpt)
-        self._where: Dict[str, Tuple[str, Optional[int]]] = {}
+        super().__init__(config, family, variant, [(0, 0, family.whole_plan(config))], setting, ckpt)
+        self._where: Dict[str, Tuple[str, Tuple[int, ...]]] = {}
         layers: Dict[str, int] = {}
-        for _, name, _, _ in self.sources():
+        for _, name, *_ in self.sources():
             parts = split_layer(name)
             if parts is not None:
                 layers[parts[0]] = max(layers.get(parts[0], 0), parts[1] + 1)
-        for _, name, _, _ in self.sources():  # every tensor there, of the config's depth, before anything is written
-            keys, layer = sharded_keys(name)
-            key = next((k for k in keys if k in self.tensors), None)
+        for _, name, *_ in self.sources():  # every tensor there, of the config's depth, before anything is written
+            candidates = sharded_keys(name)
+            key, index, axes = next((c for c in candidates if c[0] in self.tensors), (None, (), ()))
             if key is None:
                 raise MegatronPluginConfigError(
-                    setting, ckpt, f"the checkpoint has no tensor {keys[0]!r} (for {name}): is it of this HF model "
-                    f"({family.name}, variant {variant!r})?")
+                    setting, ckpt, f"the checkpoint has no tensor {candidates[0][0]!r} (for {name}): is it of this HF "
+                    f"model ({family.name}, variant {variant!r})?")
             shape = tuple(self.tensors[key].global_shape)
-            if layer is not None and shape[0] != layers[split_layer(name)[0]]:
-                raise MegatronPluginConfigError(
-                    setting, ckpt, f"{key} holds {shape[0]} layers, the HF config {layers[split_layer(name)[0]]}: is the "
-                    "HF config this model's?")
-            self._where[name] = (key, layer)
+            stack = split_layer(name)[0] if split_layer(name) else None
+            expected = {"layer": layers.get(stack), "expert": family.num_experts(config)}
+            for axis, (what, size) in enumerate(zip(axes, shape)):
+                if size != expected[what]:
+                    raise MegatronPluginConfigError(
+                        setting, ckpt, f"{key} holds {size} {what}s, the HF config {expected[what]}: is the HF config "
+                        "this model's?")
+            self._where[name] = (key, index)
         first = {}
         for n in self.names:
             first.setdefault(self._where[self._source[n][1]][0], len(first))
         self.names.sort(key=lambda n: first[self._where[self._source[n][1]][0]])  # stable: layers stay in order
         self._stacks: "OrderedDict[str, torch.Tensor]" = OrderedDict()
 
-    def _read(self, rule, mcore_name: str, pp: int, vp: int) -> torch.Tensor:
-        key, layer = self._where[mcore_name]
+    def _read(self, rule, mcore_name: str, pp: int, vp: int, ep: int = 0) -> torch.Tensor:
+        key, index = self._where[mcore_name]
         stack = self._stack(key)
-        return stack if layer is None else stack[layer].clone()  # a view would keep the whole stack alive
+        return stack[index].clone() if index else stack  # a view would keep the whole stack alive
 
     def _stack(self, key: str) -> torch.Tensor:
         from megatron.core import dist_checkpointing

@@ -87,6 +87,13 @@ QUESTIONS = [
     Question("sp", "Do you want to enable Sequence Parallelism? [YES/no]: ", True, parse_bool,
              ask_if=lambda a: a["tp"] > 1 and _on_gpu(a)),
     Question("pp", "What is the Pipeline Parallelism degree/size? [1]: ", 1, parse_int, ask_if=_on_gpu),
+    # mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): `--moe yes` says so (not asked: accelerate's questions,
+    # which every dense run answers, stay as they are), then the expert-parallel degree is asked; the answer is
+    # the --expert_model_parallel_size flag's (one of the other megatron_lm_* keys, below)
+    Question("moe", "Is the model a mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE)? [yes/NO]: ", False,
+             parse_bool, ask_if=lambda a: False, not_asked=False),
+    Question("expert_model_parallel_size", "What is the Expert Parallelism degree/size (it must divide the number "
+             "of experts)? [1]: ", 1, parse_int, ask_if=lambda a: a["moe"], not_asked=1),
     Question("num_micro_batches", "What is the number of micro-batches? [1]: ", 1, parse_int),
     Question("recompute", "Do you want to enable selective activation recomputation? [YES/no]: ", True, parse_bool,
              ask_if=_on_gpu),
@@ -120,7 +127,7 @@ FLAGS = {
     "recompute_activations": "--recompute", "distributed_optimizer": "--distributed_optimizer",
     "use_distributed_optimizer": "--distributed_optimizer", "gradient_clipping": "--gradient_clipping",
     "num_processes": "--num_processes", "mixed_precision": "--mixed_precision", "compile": "--compile",
-    "torch_compile": "--compile", "tp_degree*pp_degree": "--tp * --pp",
+    "torch_compile": "--compile", "tp_degree*pp_degree": "--tp * --pp", "moe": "--moe",
     **{key: f"--{key}" for key in MACHINE_KEYS},
 }
 
@@ -270,6 +277,8 @@ def run_config(args, input_fn=input, print_fn=print) -> str:
                 extra[name] = parse(FLAGS[name], given)
             except MegatronPluginConfigError as err:
                 raise _as_flags(err) from None
+    if answers["expert_model_parallel_size"] != 1:  # asked, or given as the flag (then in extra already)
+        extra["expert_model_parallel_size"] = answers["expert_model_parallel_size"]
     answers["extra"] = extra
     machines = machine_settings(answers)
     check_machines(machines, lambda k: FLAGS.get(k, k))  # flags and defaults skip the questions' checks
@@ -359,6 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--tp", default=None, help="tensor parallel degree")
     cfg.add_argument("--sp", default=None, help="sequence parallelism: yes/no")
     cfg.add_argument("--pp", default=None, help="pipeline parallel degree")
+    cfg.add_argument("--moe", default=None, help="the model is a mixture of experts: yes/no (asks the expert "
+                                                 "parallel degree, --expert_model_parallel_size)")
     cfg.add_argument("--num_micro_batches", default=None)
     cfg.add_argument("--recompute", default=None, help="selective activation recomputation: yes/no")
     cfg.add_argument("--distributed_optimizer", default=None, help="yes/no")

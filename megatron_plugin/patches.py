@@ -15,6 +15,7 @@ The implementations live with their concern (`layers/foreach_ops.py`, `layers/wg
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Tuple
@@ -78,6 +79,35 @@ def _cpu_warning_targets():
     return [(layers.linear_with_grad_accumulation_and_async_allreduce, "warned", True)]
 
 
+def _cpu_sequence_parallel_targets():
+    from megatron.core.tensor_parallel import mappings
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    from .layers import sp_comm
+
+    gather, scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+    fork = mcore_random.CudaRNGStatesTracker.__dict__["fork"]
+
+    def _gather_along_first_dim(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if input_.device.type != "cpu" or group is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        return sp_comm.all_gather_rows(input_, group, output_split_sizes)
+
+    def _reduce_scatter_along_first_dim(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_.device.type != "cpu" or group is None or group.size() == 1:
+            return scatter(input_, group, input_split_sizes, use_global_buffer)
+        return sp_comm.reduce_scatter_rows(input_, group, input_split_sizes)
+
+    def cpu_fork(self, name=mcore_random._MODEL_PARALLEL_RNG_TRACKER_NAME):
+        if name not in self.states_:  # no CUDA stream was seeded (engine.distributed.set_seed): nothing to fork
+            return contextlib.nullcontext()
+        return fork(self, name)
+
+    return [(mappings, "_gather_along_first_dim", _gather_along_first_dim),
+            (mappings, "_reduce_scatter_along_first_dim", _reduce_scatter_along_first_dim),
+            (mcore_random.CudaRNGStatesTracker, "fork", cpu_fork)]
+
+
 def _accelerate_targets():
     import accelerate
 
@@ -116,6 +146,14 @@ PATCHES: Dict[str, Patch] = {p.name: p for p in (
           "mcore's tensor-parallel linears recommend CUDA_DEVICE_MAX_CONNECTIONS=1, a CUDA stream setting that "
           "means nothing on CPU (gloo). CPU runs.",
           _cpu_warning_targets),
+    Patch("cpu_sequence_parallel", "megatron-core",
+          "sequence parallelism on CPU (gloo). mcore's sequence-parallel mappings (the embedding's scatter, whose "
+          "backward gathers; the gathers and reduce-scatters of Pooler, MoE dispatchers and our models) allocate "
+          "their outputs on torch.cuda.current_device(), and gloo has no reduce-scatter: on CPU tensors they run "
+          "through layers/sp_comm.py's collectives. mcore's TransformerBlock and LanguageModelEmbedding fork the "
+          "CUDA RNG tracker under sequence_parallel, which raises when no CUDA stream was seeded: there the fork "
+          "does nothing (the CPU generator draws the dropout, as everywhere on CPU). CPU runs.",
+          _cpu_sequence_parallel_targets),
     Patch("accelerate_megatron_hint", "accelerate",
           "accelerate.Accelerator under a MEGATRON_LM config fails with 'Megatron is not installed. please build "
           "it from source.'; the hint names our Accelerator. The one patch not installed by prepare: it must be "
@@ -177,7 +215,7 @@ def for_run(device_type: str, *, wgrad_fusion: bool, rotary: bool) -> Tuple[str,
     """The patches one run needs."""
     names = []
     if device_type == "cpu":
-        names.append("quiet_cuda_connections_warning")
+        names += ["quiet_cuda_connections_warning", "cpu_sequence_parallel"]
     if device_type == "cuda":
         names.append("foreach_clip")
         if wgrad_fusion:

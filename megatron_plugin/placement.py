@@ -14,24 +14,38 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
-# fastest-varying first, as megatron-core numbers ranks (ep is 1 outside expert layers)
+# fastest-varying first, as megatron-core numbers ranks (expert layers have a grid of their own: rank_groups)
 ORDER = ("tp", "cp", "dp", "pp")
 SHOWN_GROUPS = 8  # per kind: a 1000-GPU run's report stays a few lines
 
 
-def rank_groups(world_size: int, tp: int, pp: int, cp: int = 1) -> Dict[str, List[List[int]]]:
-    """{"tp"|"cp"|"dp"|"pp": the groups of global ranks}, in megatron-core's order of groups."""
+def rank_groups(world_size: int, tp: int, pp: int, cp: int = 1, ep: int = 1,
+                etp: Optional[int] = None) -> Dict[str, List[List[int]]]:
+    """{"tp"|"cp"|"dp"|"pp": the groups of global ranks}, in megatron-core's order of groups; with
+    expert parallelism (ep > 1) also "ep": the expert-parallel groups of megatron-core's expert grid
+    (expert tensor parallel `etp`, default tp, x EP x expert data parallel x PP, in the same rank order)."""
     model = tp * pp * cp
     if world_size < 1 or model < 1 or world_size % model:
         raise ValueError(f"world size {world_size} is not a multiple of tp*pp*cp={model}")
-    sizes = {"tp": tp, "cp": cp, "dp": world_size // model, "pp": pp}
+    groups = _grid({"tp": tp, "cp": cp, "dp": world_size // model, "pp": pp}, ORDER)
+    if ep > 1:
+        etp = etp or tp
+        if world_size % (etp * ep * pp):
+            raise ValueError(f"world size {world_size} is not a multiple of etp*ep*pp={etp * ep * pp}")
+        experts = _grid({"tp": etp, "ep": ep, "dp": world_size // (etp * ep * pp), "pp": pp}, ("tp", "ep", "dp", "pp"))
+        groups["ep"] = experts["ep"]
+    return groups
+
+
+def _grid(sizes: Dict[str, int], order: Sequence[str]) -> Dict[str, List[List[int]]]:
+    """The groups of each kind of a grid of `sizes`, ranks numbered fastest-varying first in `order`."""
     strides, s = {}, 1
-    for name in ORDER:
+    for name in order:
         strides[name] = s
         s *= sizes[name]
     groups = {}
-    for name in ORDER:
-        others = [o for o in ORDER if o != name]
+    for name in order:
+        others = [o for o in order if o != name]
         kind = []
         # megatron-core's group index: the other coordinates as a mixed-radix number, the fastest first
         for idx in itertools.product(*(range(sizes[o]) for o in reversed(others))):
@@ -84,7 +98,9 @@ class Placement:
         shown = [f"{m}: {_ranges(ranks_of[m])}" for m in order[:SHOWN_GROUPS]]
         more = f" | ... {len(order) - SHOWN_GROUPS} more" if len(order) > SHOWN_GROUPS else ""
         lines.append("  machines (ranks): " + " | ".join(shown) + more)
-        for kind in ("tp", "cp", "pp", "dp"):
+        for kind in ("tp", "cp", "pp", "dp", "ep"):
+            if kind not in self.groups:
+                continue
             groups = self.groups[kind]
             if len(groups[0]) == 1:  # a degree of 1: nothing to place
                 continue
@@ -105,11 +121,12 @@ class Placement:
         return "[" + " ".join(parts) + "]"
 
 
-def placement(world_size: int, tp: int, pp: int, cp: int, machines: Sequence[str]) -> Placement:
+def placement(world_size: int, tp: int, pp: int, cp: int, machines: Sequence[str], ep: int = 1,
+              etp: Optional[int] = None) -> Placement:
     """The groups and where they sit. `machines`: one machine name per global rank."""
     if len(machines) != world_size:
         raise ValueError(f"{len(machines)} machine names for {world_size} ranks")
-    groups = rank_groups(world_size, tp, pp, cp)
+    groups = rank_groups(world_size, tp, pp, cp, ep, etp)
     spanning = {k: sum(len({machines[r] for r in g}) > 1 for g in gs) for k, gs in groups.items()}
     out = Placement(groups, list(machines), spanning)
     if spanning["tp"]:

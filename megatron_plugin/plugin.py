@@ -138,16 +138,18 @@ FIELD_STATUS = {
     "num_micro_batches": "honoured: megatron_plugin.engine.base.MegatronEngine.micro_batches - micro-batches per "
                          "step; the DataLoader's batch is cut into them (they replace gradient_accumulation_steps)",
     "sequence_parallelism": "honoured: megatron_plugin.models.gpt.build_transformer_config - sequence parallelism "
-                            "(tp_degree > 1, CUDA engine)",
+                            "(tp_degree > 1; on CPU too, through layers/sp_comm.py); the sequence length must be a "
+                            "multiple of tp_degree",
     "num_layers_per_virtual_pipeline_stage": "honoured: megatron_plugin.plugin.MegatronLMPlugin.virtual_pipeline_stages"
                                              " - interleaved 1F1B schedule",
     "decoder_last_pipeline_num_layers": "honoured: megatron_plugin.models.mapping - layers of the last pipeline "
                                         "stage; the others split the rest evenly",
     "context_parallel_size": "refused: values > 1; context parallelism is not supported yet (issue 27) - use "
                              "sequence_parallelism with tp_degree > 1 for long sequences",
-    "expert_model_parallel_size": "refused: values > 1; mixture-of-experts models are not supported yet (issue 26)",
-    "expert_tensor_parallel_size": "refused: values other than 1 or tp_degree; mixture-of-experts models are not "
-                                   "supported yet (issue 26)",
+    "expert_model_parallel_size": "honoured: megatron_plugin.engine.distributed.start - expert parallel degree of "
+                                  "MoE layers (Mixtral, Qwen2-MoE, Qwen3-MoE); it must divide the number of experts",
+    "expert_tensor_parallel_size": "honoured: megatron_plugin.engine.distributed.start - tensor parallel degree "
+                                   "inside the experts (unset: tp_degree, as in Megatron-LM)",
     "pipeline_model_parallel_split_rank": "refused: any value; Megatron-Core removed it (encoder and decoder share "
                                           "pipeline stages) - leave it unset, pp_degree splits T5 like any model",
     "use_custom_fsdp": "refused: True; Megatron-Core's FSDP is not supported - use use_distributed_optimizer=True",
@@ -390,8 +392,8 @@ class MegatronLMPlugin:
     # --- the rest of accelerate's MegatronLMPlugin, by its names and with Megatron-LM's meaning ---
     # parallel layout
     context_parallel_size: Optional[int] = field(default=None, metadata={"help": "context parallel degree; only 1 runs today (context parallelism: issue 27)"})
-    expert_model_parallel_size: Optional[int] = field(default=None, metadata={"help": "expert parallel degree for MoE layers; only 1 runs today (MoE: issue 26)"})
-    expert_tensor_parallel_size: Optional[int] = field(default=None, metadata={"help": "tensor parallel degree inside experts; unset, 1 or tp_degree (MoE: issue 26)"})
+    expert_model_parallel_size: Optional[int] = field(default=None, metadata={"help": "expert parallel degree of MoE layers: each rank of an expert-parallel group holds 1/EP of the experts (default 1)"})
+    expert_tensor_parallel_size: Optional[int] = field(default=None, metadata={"help": "tensor parallel degree inside the experts (default: tp_degree)"})
     decoder_last_pipeline_num_layers: Optional[int] = field(default=None, metadata={"help": "layers on the last pipeline stage; the others split the rest evenly (default: an even split)"})
     pipeline_model_parallel_split_rank: Optional[int] = field(default=None, metadata={"help": "Megatron-LM's encoder/decoder pipeline split: refused, Megatron-Core removed it"})
     use_custom_fsdp: Optional[bool] = field(default=None, metadata={"help": "Megatron-Core's FSDP: refused (not supported); use use_distributed_optimizer=True"})
@@ -506,6 +508,18 @@ class MegatronLMPlugin:
                     f"the world size {world_size} must be a multiple of it: launch a multiple of "
                     f"{model_parallel} processes, or lower tp_degree/pp_degree",
                 )
+            # Megatron's expert grid: ETP x EP x PP ranks hold one copy of the experts (parallel_state)
+            etp = self.expert_tensor_parallel_size or self.tp_degree
+            expert_parallel = etp * self.expert_model_parallel_size * self.pp_degree
+            if world_size % expert_parallel:
+                setting = "expert_model_parallel_size" if self.expert_model_parallel_size > 1 else "expert_tensor_parallel_size"
+                raise MegatronPluginConfigError(
+                    setting, getattr(self, setting),
+                    f"the world size {world_size} must be a multiple of expert_tensor_parallel_size x "
+                    f"expert_model_parallel_size x pp_degree = {etp} x {self.expert_model_parallel_size} x "
+                    f"{self.pp_degree} = {expert_parallel} (Megatron's expert layout): launch a multiple of "
+                    f"{expert_parallel} processes, or lower {setting}",
+                )
         if num_layers is not None:
             stages = self.pp_degree * (self.virtual_pipeline_stages(num_layers) or 1)
             if self.pp_degree > num_layers or num_layers % stages:
@@ -556,6 +570,15 @@ class MegatronLMPlugin:
                 "ckpt_format", "megatron_plugin",
                 f"a run with decoder_last_pipeline_num_layers={self.decoder_last_pipeline_num_layers} saves with "
                 "ckpt_format='torch_dist' (the megatron_plugin format assumes evenly split pipeline stages)")
+        expert_layout = (self.expert_model_parallel_size or 1) > 1 or self.expert_tensor_parallel_size not in (None, self.tp_degree)
+        if (self.ckpt_format == "megatron_plugin" and self.use_distributed_optimizer and expert_layout
+                and not self.no_save_optim):
+            # megatron-core chains a second distributed optimizer for the experts, sharded over the expert
+            # data-parallel group: one file per rank cannot hold it; torch_dist's sharded state can
+            raise MegatronPluginConfigError(
+                "ckpt_format", "megatron_plugin",
+                "with use_distributed_optimizer and expert parallelism (expert_model_parallel_size > 1 or "
+                "expert_tensor_parallel_size != tp_degree) save with ckpt_format='torch_dist' (or set no_save_optim=True)")
         backend = self.attention_backend
         if not (isinstance(backend, bool) or backend in ATTENTION_BACKENDS):
             raise MegatronPluginConfigError("attention_backend", backend,
@@ -587,16 +610,6 @@ class MegatronLMPlugin:
                 "context_parallel_size", self.context_parallel_size,
                 "context parallelism is not supported yet (issue 27): runs use context_parallel_size=1; for long "
                 "sequences use sequence_parallelism=True with tp_degree > 1, and recompute_activations",
-            )
-        if self.expert_model_parallel_size > 1:
-            raise MegatronPluginConfigError(
-                "expert_model_parallel_size", self.expert_model_parallel_size,
-                "mixture-of-experts models are not supported yet (issue 26): leave it at 1",
-            )
-        if self.expert_tensor_parallel_size not in (None, 1, self.tp_degree):
-            raise MegatronPluginConfigError(
-                "expert_tensor_parallel_size", self.expert_tensor_parallel_size,
-                f"mixture-of-experts models are not supported yet (issue 26): leave it unset, 1 or tp_degree={self.tp_degree}",
             )
         if self.pipeline_model_parallel_split_rank is not None:
             raise MegatronPluginConfigError(
@@ -660,7 +673,6 @@ class MegatronLMPlugin:
 # Plugin settings the CPU engine cannot honour: each rests on a Megatron-Core piece that is CUDA-only.
 _CUDA_ONLY = {
     "pp_degree": (lambda p: p.pp_degree > 1, "pipeline schedules and p2p buffers", "pp_degree=1"),
-    "sequence_parallelism": (lambda p: p.sequence_parallelism, "sequence-parallel collectives", "sequence_parallelism=False"),
     "use_distributed_optimizer": (lambda p: p.use_distributed_optimizer, "DistributedOptimizer", "use_distributed_optimizer=False"),
     "recompute_activations": (lambda p: p.recompute_granularity is not None, "activation checkpointing (CUDA RNG states)",
                               "recompute_activations=False and recompute_granularity=None"),

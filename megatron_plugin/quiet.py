@@ -6,6 +6,7 @@ settings are never changed by importing or running this package.
 
 from __future__ import annotations
 
+import logging
 import warnings
 from typing import Iterable
 
@@ -35,4 +36,31 @@ class quiet:
                 warnings.filters.remove(entry)
         self._added = []
         warnings._filters_mutated()
+        return False
+
+
+# mcore 0.16 logs a warning for every layer whose MLP slot holds a module it does not list (our MoE layer, which
+# takes its process groups from megatron-core's defaults as intended)
+QUIET_BUILD_LOGS = (("megatron.core.transformer.transformer_layer", "Unknown MLP type"),)
+
+
+class quiet_logs(logging.Filter):
+    """`with quiet_logs(QUIET_BUILD_LOGS):` log records of those (logger, message start) pairs are dropped inside
+    the block; the loggers' filters are as before after it."""
+
+    def __init__(self, pairs):
+        super().__init__()
+        self.pairs = tuple(pairs)
+
+    def filter(self, record):
+        return not any(record.name == name and record.getMessage().startswith(start) for name, start in self.pairs)
+
+    def __enter__(self):
+        for name in {n for n, _ in self.pairs}:
+            logging.getLogger(name).addFilter(self)
+        return self
+
+    def __exit__(self, *exc):
+        for name in {n for n, _ in self.pairs}:
+            logging.getLogger(name).removeFilter(self)
         return False

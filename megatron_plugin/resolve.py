@@ -34,9 +34,8 @@ from .engine.scheduler import MegatronLMDummyScheduler, check_scheduler
 from .engine.tensorboard import check_tensorboard
 from .errors import MegatronPluginConfigError
 from .fs import check_writable
-from .models import ModelFamily, check_model
+from .models import ModelFamily, check_model, check_moe_training
 from .models.convert import mcore_to_hf_sources
-from .models.mapping import StagePlan
 from .plugin import (MegatronLMPlugin, check_compile, check_cpu_support, check_mixed_precision, resolve_train_step_class,
                      uses_cuda_graphs)
 
@@ -254,7 +253,15 @@ def resolve(inputs: Inputs, plugin: MegatronLMPlugin, *, world_size: int, device
     dtype = MIXED_PRECISION.get(mixed_precision)
     hf_model = inputs.model
     family = check_model(plugin, hf_model.config, world_size=world_size)  # the plugin's one validation
+    check_moe_training(plugin, hf_model.config)
     num_layers = family.num_layers(hf_model.config)
+    if family.num_experts(hf_model.config) and plugin.tp_degree > 1 and not plugin.sequence_parallelism:
+        raise MegatronPluginConfigError(
+            "sequence_parallelism", False,
+            f"megatron-core's MoE layer trains with tp_degree={plugin.tp_degree} only under sequence parallelism: set "
+            "sequence_parallelism=True, or split the experts with expert_model_parallel_size and "
+            "tp_degree=1",
+        )
     dp = world_size // (plugin.tp_degree * plugin.pp_degree)
     fusion = resolve_fusion(plugin, device_type, compile_kwargs)
     micro = micro_batch_size(inputs.loaders, inputs.indexed, plugin)
@@ -274,7 +281,7 @@ def resolve(inputs: Inputs, plugin: MegatronLMPlugin, *, world_size: int, device
     if plugin.custom_model_provider_function is None:
         # the optimizer holds every trainable parameter (applied per chunk once they exist)
         trainable_flags(hf_model, inputs.optimizer,
-                        mcore_to_hf_sources(family, hf_model.config, StagePlan.single(num_layers), variant))
+                        mcore_to_hf_sources(family, hf_model.config, family.whole_plan(hf_model.config), variant))
         reader = weights_reader(hf_model, resolved, family, variant)
     else:  # the provider's modules carry their own weights and trainable flags
         reader = None

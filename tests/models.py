@@ -76,6 +76,49 @@ def tiny_llama(name="llama", lm_head=True, seed=0, **overrides):
     return model.eval()
 
 
+# MoE families, tiny: 8 experts, top-2, odd vocabulary, 2 KV heads; Qwen2-MoE with its shared expert, QKV bias
+# and a dense second layer (mlp_only_layers), top-k not renormalized; Qwen3-MoE renormalized, with q/k norms
+MOE_CONFIGS = {
+    "mixtral": ("mixtral", dict(vocab_size=333, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                num_experts_per_tok=2, max_position_embeddings=64, tie_word_embeddings=False)),
+    "qwen2_moe": ("qwen2_moe", dict(vocab_size=333, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                                    shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
+                                    num_key_value_heads=2, num_experts=8, num_experts_per_tok=2, mlp_only_layers=[1],
+                                    norm_topk_prob=False, max_position_embeddings=64, tie_word_embeddings=False)),
+    "qwen3_moe": ("qwen3_moe", dict(vocab_size=333, hidden_size=32, intermediate_size=64, moe_intermediate_size=24,
+                                    num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                    max_position_embeddings=64, tie_word_embeddings=True)),
+}
+
+
+def moe_config(name="mixtral", **overrides):
+    from transformers import AutoConfig
+
+    model_type, kwargs = MOE_CONFIGS[name]
+    kwargs = dict(kwargs, attention_dropout=0.0, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    kwargs.update(overrides)
+    return AutoConfig.for_model(model_type, **kwargs)
+
+
+def tiny_moe(name="mixtral", lm_head=True, seed=0, **overrides):
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = moe_config(name, **overrides)
+    cfg._attn_implementation = "sdpa"
+    model = (AutoModelForCausalLM if lm_head else AutoModel).from_config(cfg).float()
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if p.dim() == 1:  # norms start at 1, biases at 0: randomize so a mapping slip shows
+                p.add_(torch.randn_like(p) * 0.1)
+            elif n.endswith("gate.weight") and "shared" not in n:
+                # a router decisive enough that no two experts tie for a token's k-th place
+                p.copy_(torch.randn_like(p))
+    return model.eval()
+
+
 # BERT: post-LN `bert` and pre-LN `megatron-bert`, odd vocabulary, tied and untied MLM decoder
 BERT_CONFIGS = {
     "bert": ("bert", dict(vocab_size=333, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,

@@ -21,8 +21,6 @@ ACCELERATE_FIELDS = [f.name for f in dataclasses.fields(AcceleratePlugin)]
 # a value each refused field is refused at (one accelerate's defaults would not give, so conversion keeps it)
 REFUSED_VALUES = {
     "context_parallel_size": 4,
-    "expert_model_parallel_size": 2,
-    "expert_tensor_parallel_size": 2,  # with tp_degree=1
     "pipeline_model_parallel_split_rank": 1,
     "use_custom_fsdp": True,
 }

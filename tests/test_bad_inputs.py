@@ -631,6 +631,9 @@ def test_bert_and_t5_unmapped_variants_are_refused():
     check_refusal(refusal(lambda: check_model(MegatronLMPlugin(), BertConfig(is_decoder=True))),
                   "is_decoder", "encoder")
     check_refusal(refusal(lambda: check_model(MegatronLMPlugin(), BertConfig(hidden_act="silu"))), "hidden_act", "gelu")
+    bert_sp = MegatronLMPlugin(tp_degree=2, sequence_parallelism=True)
+    check_refusal(refusal(lambda: check_model(bert_sp, BertConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64),
+                                              world_size=2)), "sequence_parallelism", "BertLMHead")
     t5 = T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
     check_refusal(refusal(lambda: check_model(MegatronLMPlugin(pp_degree=2), t5)), "pp_degree", "encoder-decoder")
     encoder_only = T5EncoderModel(t5)
@@ -652,3 +655,128 @@ def _nsp_without_binary_head():
 def test_nsp_labels_without_a_binary_head():
     for got in run_on_ranks(_nsp_without_binary_head, 2):
         check_refusal(got, "next_sentence_label", "ForPreTraining")
+
+
+# -- mixture of experts -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("name,overrides,settings,world,setting,words", [
+    ("mixtral", {}, dict(expert_model_parallel_size=3), 3, "expert_model_parallel_size", ("8 experts", "divisor")),
+    ("mixtral", {}, dict(expert_model_parallel_size=2), 3, "expert_model_parallel_size",
+     ("world size 3", "expert_tensor_parallel_size x expert_model_parallel_size x pp_degree")),
+    ("qwen3_moe", {}, dict(tp_degree=2, expert_model_parallel_size=2), 2, "expert_model_parallel_size",
+     ("world size 2", "2 x 2 x 1 = 4")),
+    ("qwen2_moe", {}, dict(other_megatron_args={"moe_expert_capacity_factor": 0.0}), 1,
+     "other_megatron_args['moe_expert_capacity_factor']", ("> 0", "dropless")),
+    ("qwen2_moe", {}, dict(other_megatron_args={"moe_expert_capacity_factor": -1.0}), 1,
+     "other_megatron_args['moe_expert_capacity_factor']", ("> 0",)),
+    ("mixtral", dict(router_jitter_noise=0.1), {}, 1, "router_jitter_noise", ("not mapped", "0.0")),
+    ("qwen3_moe", dict(output_router_logits=True), dict(pp_degree=2), 2, "other_megatron_args['moe_aux_loss_coeff']",
+     ("all layers", "pp_degree=1")),
+    ("qwen3_moe", {}, dict(pp_degree=2, other_megatron_args={"moe_aux_loss_coeff": 0.01}), 2,
+     "other_megatron_args['moe_aux_loss_coeff']", ("all layers",)),
+    ("qwen3_moe", {}, dict(pp_degree=2, other_megatron_args={"moe_z_loss_coeff": 0.001}), 2,
+     "other_megatron_args['moe_z_loss_coeff']", ("one pipeline stage", "pp_degree=1")),
+    ("qwen3_moe", {}, dict(tp_degree=2, expert_tensor_parallel_size=5), 10, "expert_tensor_parallel_size",
+     ("MLP width 24",)),
+    ("qwen3_moe", {}, dict(other_megatron_args={"moe_token_dispatcher_type": "alltoall"}), 1,
+     "other_megatron_args['moe_token_dispatcher_type']", ("remove the key",)),
+], ids=["ep_not_dividing_experts", "world_not_divisible", "world_not_divisible_tp_ep", "capacity_zero",
+        "capacity_negative", "jitter", "hf_aux_loss_with_pp", "aux_loss_with_pp", "z_loss_with_pp", "etp_not_dividing_width",
+        "other_dispatcher"])
+def test_moe_bad_configs(name, overrides, settings, world, setting, words):
+    from megatron_plugin.models import check_model, check_moe_training
+    from tests.models import moe_config
+
+    cfg = moe_config(name, **overrides)
+
+    def prepare_checks():  # what resolve runs on the model before any process group
+        plugin = MegatronLMPlugin(**settings)
+        check_model(plugin, cfg, world_size=world)
+        check_moe_training(plugin, cfg)
+
+    check_refusal(refusal(prepare_checks), setting, *words)
+
+
+def test_moe_top1_router_dense_expert_tp_and_conversion_with_pp():
+    """A renormalized top-1 router (megatron-core's config refuses it later, with a Megatron-LM flag name);
+    an expert TP size on a dense model; router losses with PP refused for training but not for an offline
+    conversion, which trains nothing (check_model alone)."""
+    from transformers import LlamaConfig
+
+    from megatron_plugin.models import check_model
+    from tests.models import moe_config
+
+    check_refusal(refusal(lambda: check_model(MegatronLMPlugin(), moe_config("mixtral", num_experts_per_tok=1))),
+                  "num_experts_per_tok", "norm_topk_prob=False")
+    check_model(MegatronLMPlugin(), moe_config("qwen2_moe", num_experts_per_tok=1, norm_topk_prob=False))
+    dense = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
+    check_refusal(refusal(lambda: check_model(MegatronLMPlugin(expert_tensor_parallel_size=2, tp_degree=1), dense,
+                                              world_size=2)), "expert_tensor_parallel_size", "no experts")
+    check_model(MegatronLMPlugin(pp_degree=2), moe_config("qwen2_moe", output_router_logits=True), world_size=2)
+
+
+def test_moe_training_refusals():
+    """For training (resolve), not for conversion: a pipeline stage without an MoE layer would never enter
+    the expert gradient norm's all-reduce (a hang); full recompute runs the routers under no_grad, so the
+    router losses would train nothing."""
+    from megatron_plugin.models import check_model, check_moe_training
+    from tests.models import moe_config
+
+    qwen2 = moe_config("qwen2_moe")  # layer 0 MoE, layer 1 dense (mlp_only_layers)
+    check_model(MegatronLMPlugin(pp_degree=2), qwen2, world_size=2)  # converting it to PP=2 is fine
+    check_refusal(refusal(lambda: check_moe_training(MegatronLMPlugin(pp_degree=2), qwen2)), "pp_degree",
+                  "stage 1 would hold only dense layers")
+    check_moe_training(MegatronLMPlugin(pp_degree=2), moe_config("qwen3_moe"))  # every layer MoE
+    aux = moe_config("qwen2_moe", output_router_logits=True)
+    check_refusal(refusal(lambda: check_moe_training(MegatronLMPlugin(recompute_granularity="full"), aux)),
+                  "recompute_granularity", "outside activation recompute")
+    check_moe_training(MegatronLMPlugin(recompute_activations=True), aux)  # selective: attention only
+    check_moe_training(MegatronLMPlugin(recompute_granularity="full"), moe_config("qwen2_moe"))  # no router loss
+
+
+def test_moe_settings_that_fit_are_taken():
+    """The refusals above stop where the layout fits: the same settings on a world that fits pass, and the
+    aux-loss coefficient defaults to HF's only when the config asks for router logits."""
+    from megatron_plugin.models import check_model
+    from tests.models import moe_config
+
+    cfg = moe_config("qwen3_moe")
+    check_model(MegatronLMPlugin(tp_degree=2, expert_model_parallel_size=2), cfg, world_size=4)
+    check_model(MegatronLMPlugin(tp_degree=2, expert_model_parallel_size=2, expert_tensor_parallel_size=1), cfg,
+                world_size=2)
+    check_model(MegatronLMPlugin(pp_degree=2, other_megatron_args={"moe_expert_capacity_factor": 1.5}), cfg, world_size=2)
+    family = check_model(MegatronLMPlugin(), moe_config("qwen2_moe", output_router_logits=True, router_aux_loss_coef=0.02))
+    assert family.transformer_config(moe_config("qwen2_moe", output_router_logits=True, router_aux_loss_coef=0.02))[
+        "moe_aux_loss_coeff"] == 0.02
+    assert family.transformer_config(moe_config("qwen2_moe"))["moe_aux_loss_coeff"] == 0.0
+    # Qwen's dense layers (mlp_only_layers, decoder_sparse_step) are HF's: its layers' MLP classes say which
+    from transformers import AutoModelForCausalLM
+
+    from megatron_plugin.models.moe import moe_layers
+
+    for overrides in (dict(num_hidden_layers=4, decoder_sparse_step=2, mlp_only_layers=[]),
+                      dict(num_hidden_layers=4, decoder_sparse_step=1, mlp_only_layers=[0, 3])):
+        cfg = moe_config("qwen2_moe", **overrides)
+        hf = AutoModelForCausalLM.from_config(cfg)
+        assert moe_layers(cfg) == [int(hasattr(layer.mlp, "experts")) for layer in hf.model.layers], overrides
+        assert 0 < sum(moe_layers(cfg)) < 4
+
+
+def test_expert_parallel_on_a_dense_model_is_refused():
+    from megatron_plugin.models import check_model
+    from tests.models import llama_config
+
+    check_refusal(refusal(lambda: check_model(MegatronLMPlugin(expert_model_parallel_size=2), llama_config("llama"),
+                                              world_size=2)), "expert_model_parallel_size", "no experts")
+
+
+def test_moe_with_tensor_parallel_trains_only_with_sequence_parallel():
+    """megatron-core's MoE layer refuses TP > 1 without SP in training: prepare says so before any group."""
+    from megatron_plugin.resolve import Inputs, resolve
+    from tests.models import tiny_moe
+
+    model = tiny_moe("qwen3_moe")
+    loader = DataLoader(token_dataset(4, model.config.vocab_size), batch_size=2)
+    inputs = Inputs(model=model, optimizer=optimizer_for(model), scheduler=None, loaders=(loader,), indexed=())
+    got = refusal(lambda: resolve(inputs, MegatronLMPlugin(tp_degree=2), world_size=2, device_type="cuda",
+                                  mixed_precision="no"))
+    check_refusal(got, "sequence_parallelism", "sequence_parallelism=True", "expert_model_parallel_size")

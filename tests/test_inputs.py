@@ -44,7 +44,7 @@ def _same(a, b):
 def _family_model(returns=None, variant="lm", **config):
     """Just what the family forwards read of a MegatronModel, on an earlier pipeline stage."""
     return SimpleNamespace(module=Recorder(returns), plan=SimpleNamespace(last=False), lm_head=True, variant=variant,
-                           hf_config=SimpleNamespace(vocab_size=50, **config))
+                           hf_config=SimpleNamespace(vocab_size=50, **config), family=FAMILIES["llama"])
 
 
 # causal LMs ------------------------------------------------------------------------------------------------

@@ -248,6 +248,31 @@ def test_llama_sft_example_learns(tmp_path):
     assert os.path.exists(os.path.join(tmp_path, "final", "latest_checkpointed_iteration.txt"))
 
 
+def test_moe_sft_example_learns(tmp_path):
+    """The MoE SFT example: a tiny Qwen2-MoE with expert_model_parallel_size=2 on two CPU processes (each rank
+    holds 4 of the 8 experts of each MoE layer): eval loss falls, greedy answers improve, the load-balancing loss
+    and the per-layer expert loads are printed, and the HF weights it writes load with from_pretrained."""
+    import re
+
+    from transformers import AutoModelForCausalLM
+
+    out = accelerate_launch(os.path.join(CONFIGS, "cpu_ep2.yaml"), os.path.join(ROOT, "examples", "megatron_lm_moe_sft.py"),
+                            "--output_dir", tmp_path)
+    before = float(re.search(r"accuracy before fine-tuning: ([\d.]+)%", out).group(1))
+    after = float(re.search(r"accuracy after fine-tuning: ([\d.]+)%", out).group(1))
+    evals = [float(x) for x in re.findall(r"eval loss ([\d.]+)", out)]
+    assert len(evals) == 3 and evals[2] < evals[1] < evals[0], out[-2000:]
+    assert after >= before + 25.0, (before, after)
+    assert re.search(r"lm loss [\d.]+ load-balancing loss [\d.]+", out), out[-2000:]
+    loads = re.findall(r"layer (\d+):((?: +\d+){8})", out)
+    assert [n for n, _ in loads] == ["1", "2"], out[-2000:]  # the dense third layer has no router
+    for _, row in loads:  # every expert of a layer: top-2 of each of the step's valid tokens
+        assert sum(int(x) for x in row.split()) > 0
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(tmp_path, "hf"))
+    assert model.config.model_type == "qwen2_moe" and model.config.num_experts == 8
+    assert os.path.exists(os.path.join(tmp_path, "final", "latest_checkpointed_iteration.txt"))
+
+
 def test_generation_example_prints_continuations(tmp_path):
     out = accelerate_launch(os.path.join(CONFIGS, "cpu_tp2.yaml"), os.path.join(ROOT, "examples", "megatron_gpt2_generation.py"),
                             "--train_steps", 30, "--max_new_tokens", 8)

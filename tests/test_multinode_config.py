@@ -197,6 +197,15 @@ def test_rank_groups_are_megatron_cores():
         ours = rank_groups(tp * cp * pp * dp, tp, pp, cp)
         for kind in ("tp", "cp", "dp", "pp"):
             assert ours[kind] == theirs.get_ranks(kind), (tp, cp, pp, dp, kind)
+    # the expert grid (parallel_state's expert RankGenerator: etp x ep x expert-dp x pp)
+    for world, tp, pp, ep, etp in [(4, 1, 1, 2, None), (4, 2, 1, 2, None), (8, 2, 2, 2, 1), (16, 2, 2, 4, 1)]:
+        etp_ = etp or tp
+        theirs = RankGenerator(tp=etp_, ep=ep, dp=world // (etp_ * ep * pp), pp=pp, cp=1, order="tp-cp-ep-dp-pp")
+        assert rank_groups(world, tp, pp, 1, ep, etp)["ep"] == theirs.get_ranks("ep"), (world, tp, pp, ep, etp)
+    assert "ep" not in rank_groups(4, 2, 1)
+    where = placement(4, 1, 1, 1, ["a", "a", "b", "b"], ep=2)
+    assert where.groups["ep"] == [[0, 1], [2, 3]] and where.spanning["ep"] == 0
+    assert "  EP groups (2 of 2, all within one machine): [0-1@a]  [2-3@b]" in where.table(1, 1, 1).splitlines()
 
 
 def test_placement_two_hosts_tp_stays_on_a_host():
@@ -304,3 +313,30 @@ def test_init_process_group_timeout_reaches_megatron_groups():
     from tests.spawn import run_on_ranks
 
     assert run_on_ranks(_timeout_seen_by_megatron_groups, 1) == [[61]]
+
+
+def test_questionnaire_asks_the_expert_parallel_degree_for_moe_models(tmp_path):
+    """`--moe yes` asks the expert-parallel degree; its answer is written as accelerate's
+    megatron_lm_expert_model_parallel_size and checked against the process count like the other degrees."""
+    from megatron_plugin.cli import build_parser, run_config
+
+    answers = iter(["yes", "1", "2", "", "", "4", ""])  # cpu, tp, EP, micro-batches, clip, procs, precision
+    printed = []
+    args = build_parser().parse_args(["config", "--config_file", str(tmp_path / "moe.yaml"), "--moe", "yes"])
+    run_config(args, input_fn=lambda prompt: (printed.append(prompt), next(answers))[1], print_fn=printed.append)
+    assert next(answers, "done") == "done"
+    assert any("Expert Parallelism" in str(p) for p in printed)
+    data = yaml.safe_load((tmp_path / "moe.yaml").read_text())
+    assert data["megatron_lm_config"]["megatron_lm_expert_model_parallel_size"] == 2
+    # a dense model is not asked, and writes no expert key
+    answers = iter(["yes", "1", "", "", "2", ""])
+    printed.clear()
+    args = build_parser().parse_args(["config", "--config_file", str(tmp_path / "dense.yaml")])
+    run_config(args, input_fn=lambda prompt: (printed.append(prompt), next(answers))[1], print_fn=printed.append)
+    assert not any("Expert Parallelism" in str(p) for p in printed)
+    assert "megatron_lm_expert_model_parallel_size" not in yaml.safe_load((tmp_path / "dense.yaml").read_text())[
+        "megatron_lm_config"]
+    # EP 2 on 3 processes: refused under the flag's name before anything is written
+    path, code = _config(tmp_path, "bad.yaml", "--non_interactive", "--cpu", "--num_processes", "3", "--moe", "yes",
+                         "--expert_model_parallel_size", "2")
+    assert code == 2 and not path.exists()

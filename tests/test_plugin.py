@@ -124,7 +124,7 @@ def test_heads_not_divisible_by_tp(clean_env):
 def test_unsupported_model_type_lists_supported(clean_env):
     from transformers import GPTNeoXConfig
 
-    with pytest.raises(MegatronPluginConfigError, match=r"model_type='gpt_neox'.*'bert', 'gpt2', 'llama', 'megatron-bert', 'mistral', 'mt5', 'qwen2', 'qwen3', 't5'"):
+    with pytest.raises(MegatronPluginConfigError, match=r"model_type='gpt_neox'.*'bert', 'gpt2', 'llama', 'megatron-bert', 'mistral', 'mixtral', 'mt5', 'qwen2', 'qwen2_moe', 'qwen3', 'qwen3_moe', 't5'"):
         initialize(MegatronLMPlugin(), GPTNeoXConfig())
 
 

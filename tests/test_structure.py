@@ -115,7 +115,7 @@ def test_patches_were_checked_against_the_installed_versions():
 
 
 @pytest.mark.parametrize("name", ["foreach_clip", "wgrad_fusion", "rope_tables", "quiet_cuda_connections_warning",
-                                  "accelerate_megatron_hint"])
+                                  "cpu_sequence_parallel", "accelerate_megatron_hint"])
 def test_each_patch_installs_once_and_undoes_exactly(name):
     from megatron_plugin import patches
 
@@ -142,7 +142,8 @@ def test_each_patch_installs_once_and_undoes_exactly(name):
 def test_a_run_asks_for_the_patches_it_needs():
     from megatron_plugin import patches
 
-    assert patches.for_run("cpu", wgrad_fusion=False, rotary=False) == ("quiet_cuda_connections_warning",)
+    assert patches.for_run("cpu", wgrad_fusion=False, rotary=False) == ("quiet_cuda_connections_warning",
+                                                                         "cpu_sequence_parallel")
     assert patches.for_run("cuda", wgrad_fusion=True, rotary=True) == ("foreach_clip", "wgrad_fusion", "rope_tables")
     assert patches.for_run("cuda", wgrad_fusion=False, rotary=False) == ("foreach_clip",)
 

@@ -57,6 +57,8 @@ class DPOTrainStep(GPTTrainStep):
     `calculate_per_token_loss`, over the pairs of the global batch, in Megatron-LM's (sum, count, logs)). Logs
     'loss', 'reward accuracy', 'chosen reward', 'rejected reward', 'reward margin'.
     `custom_train_step_kwargs`: beta (0.1), label_smoothing (0).
+    With an MoE model the router losses join 'loss' as in GPTTrainStep (train_steps/moe.py), and the
+    attention masks reach the routers.
     """
 
     model_output_class = PolicyOutput
@@ -131,7 +133,7 @@ class DPOTrainStep(GPTTrainStep):
         def forward_step(data_iterator, model):
             data = next(data_iterator)
             output, targets, shift = self.forward_logits(concatenated(data), model)
-            return output, partial(self.loss_func, data, targets, shift)
+            return output, self.with_router_losses(model, partial(self.loss_func, data, targets, shift))
 
         return forward_step
 

@@ -7,16 +7,10 @@ from megatron_plugin.errors import MegatronPluginConfigError
 from megatron_plugin.models.causal import causal_lm_inputs
 
 from .base import AbstractTrainStep
+from .moe import MoESupport, unwrap_model
 from .utils import avg_losses_across_data_parallel_group, per_token_loss_result, sum_across_data_parallel_group
 
 IGNORE_INDEX = -100
-
-
-def unwrap_model(model):
-    """The Megatron GPT module inside DDP / Float16Module wrappers."""
-    while not hasattr(model, "compute_language_model_loss") and hasattr(model, "module"):
-        model = model.module
-    return model
 
 
 def eod_ids(megatron_args):
@@ -43,7 +37,12 @@ class GPTTrainStep(AbstractTrainStep):
     `eod_mask_loss` (Megatron's): a position whose input token is an end-of-document id (the config's
     eos_token_id) carries no loss, so the first token of the next document is not predicted from the last one.
     `calculate_per_token_loss`: the loss function returns Megatron-LM's (sum, tokens, logs); every labelled
-    token of the global batch then weighs the same, as in HF's loss over the whole batch."""
+    token of the global batch then weighs the same, as in HF's loss over the whole batch.
+
+    MoE models (train_steps/moe.py): the batch's attention mask reaches the routers as mcore's `padding_mask`,
+    and each micro-batch's loss gets HF's load-balancing loss times `moe_aux_loss_coeff` (and the z-loss times
+    `moe_z_loss_coeff`); 'lm loss' stays the LM loss, 'load_balancing_loss' is logged apart, and the step
+    returns their sum ('loss')."""
 
     model_output_class = CausalLMOutputWithCrossAttentions
     same_shape = (("labels", "input_ids", "one label per token (-100 where none)"),
@@ -57,6 +56,7 @@ class GPTTrainStep(AbstractTrainStep):
         self.eod_ids = eod_ids(megatron_args)
         self.get_batch = self.get_batch_func()
         self.loss_func = self.get_loss_func()
+        self.moe = MoESupport()
         self.forward_step = self.get_forward_step_func()
 
     @staticmethod
@@ -101,7 +101,17 @@ class GPTTrainStep(AbstractTrainStep):
 
     def forward_logits(self, data, model):
         tokens, labels, loss_mask, attention_mask, position_ids = self.get_batch(iter([data]))
-        return model(tokens, position_ids, attention_mask), labels.masked_fill(loss_mask == 0, IGNORE_INDEX), 1
+        output = model(tokens, position_ids, attention_mask, **self.moe.model_kwargs(model, data))
+        return output, labels.masked_fill(loss_mask == 0, IGNORE_INDEX), 1
+
+    def with_router_losses(self, model, loss_func):
+        """`loss_func` plus the MoE router losses of the forward that just ran (train_steps/moe.py); the step
+        then returns the objective logged as 'loss'. Unchanged for a model without MoE layers."""
+        if self.moe.losses(model) is None:
+            return loss_func
+        if self.loss_log_key is None:
+            self.loss_log_key = "loss"
+        return self.moe.add_to(model, loss_func)
 
     def get_loss_func(self, *args, **kwargs):
         def loss_func(loss_mask, output_tensor):
@@ -128,16 +138,19 @@ class GPTTrainStep(AbstractTrainStep):
 
     def get_forward_step_func(self):
         def forward_step(data_iterator, model):
-            tokens, labels, loss_mask, attention_mask, position_ids = self.get_batch(data_iterator)
+            data = next(data_iterator)
+            tokens, labels, loss_mask, attention_mask, position_ids = self.get_batch(iter([data]))
+            moe = self.moe.model_kwargs(model, data)
             if self.return_logits and not model.training:
-                output = model(tokens, position_ids, attention_mask)
+                output = model(tokens, position_ids, attention_mask, **moe)
                 gpt = unwrap_model(model)
+                loss_func = self.with_router_losses(model, partial(self.loss_func, loss_mask))
                 if not gpt.post_process:  # an earlier pipeline stage: hidden states go to the next one
-                    return output, partial(self.loss_func, loss_mask)
+                    return output, loss_func
                 # logits [b, s, vocab / tp]
                 losses = gpt.compute_language_model_loss(labels, output.transpose(0, 1).contiguous())
-                return (losses, output), partial(self.loss_func, loss_mask)
-            output_tensor = model(tokens, position_ids, attention_mask, labels=labels)
-            return output_tensor, partial(self.loss_func, loss_mask)
+                return (losses, output), loss_func
+            output_tensor = model(tokens, position_ids, attention_mask, labels=labels, **moe)
+            return output_tensor, self.with_router_losses(model, partial(self.loss_func, loss_mask))
 
         return forward_step

@@ -109,6 +109,9 @@ class PolicyGradientTrainStep(GPTTrainStep):
     (E[old - new]), 'kl' and 'entropy' when used; the step's output has `.loss` and `.metrics`.
     Set the model's dropout to 0 (as RL recipes do), so the ratio is exactly 1 on the sampling policy.
 
+    With an MoE model the router losses join 'loss' as in GPTTrainStep (train_steps/moe.py), and the
+    attention mask reaches the routers.
+
     `custom_train_step_kwargs`: clip_range (0.2), clip_range_high (default: clip_range; DAPO's clip-higher
     uses e.g. 0.28), kl_coef (0), entropy_coef (0), temperature (1.0; the sampling temperature) and
     loss_aggregation ('token-mean', 'seq-mean-token-mean' as GRPO's paper, 'seq-mean-token-sum').
@@ -171,7 +174,7 @@ class PolicyGradientTrainStep(GPTTrainStep):
         def forward_step(data_iterator, model):
             data = next(data_iterator)
             output, targets, shift = self.forward_logits(data, model)
-            return output, partial(self.loss_func, data, targets, shift)
+            return output, self.with_router_losses(model, partial(self.loss_func, data, targets, shift))
 
         return forward_step
 

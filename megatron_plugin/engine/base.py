@@ -9,7 +9,10 @@ the loss (and, with `return_logits`, the logits) without touching gradients.
 
 This base holds what every engine shares: the batch's checks and its micro-batches, eval and
 forward-only passes run micro-batch by micro-batch, log-probs, post-training state (offload,
-snapshots) and the conveniences. How a training step reduces, clips and applies gradients is the
+snapshots) and the conveniences. With MoE layers it also logs each step's expert load
+(engine/expert_load.py: tokens per expert per layer, the dropped fraction) next to the step's losses, and
+refuses batches whose shapes differ between the data-parallel ranks that share experts
+(engine/expert_group.py). How a training step reduces, clips and applies gradients is the
 subclass's: `CPUEngine` (engine/cpu.py, torch.distributed collectives) or `MegatronCoreEngine`
 (engine/gpu.py, megatron-core's DDP, optimizer and pipeline schedules).
 """
@@ -28,6 +31,8 @@ from ..layers.comm import gather_tensor_parallel_last_dim
 from ..layers.context_parallel import shard_sequence
 from ..models.modeling import MegatronModel
 from .batch_check import BatchCheck, DeferredCheck, NoLossInStep
+from .expert_group import check_same_shapes
+from .expert_load import ExpertLoad
 from .logprobs import LogProbs
 from .post_training import PostTrainingState
 from .rng import ModelRNG
@@ -118,6 +123,7 @@ class MegatronEngine(torch.nn.Module):
         self.log_probs = LogProbs()
         self._pending_check = None  # this step's DeferredCheck, until the first forward has been queued
         self.returned_loss = ReturnedLoss(device)
+        self.expert_load = ExpertLoad.of(chunks, device)  # None without MoE layers
 
     # -- the step -------------------------------------------------------------------------------
     def forward(self, **batch):
@@ -129,9 +135,11 @@ class MegatronEngine(torch.nn.Module):
         checked = self.check_batch(batch, step, micro_batches, defer=self.training and self.can_defer_batch_check())
         if isinstance(checked, DeferredCheck):
             micro_batches = self.micro_batches(checked.safe_batch, step)
+        check_same_shapes(self, micro_batches, step, "model(**batch)")
         if checked is False:
             return self._skipped_step(cls)
-        with self.post_training.busy(), self.rng.active():
+        load = self.expert_load
+        with self.post_training.busy(), self.rng.active(), (load.recorded() if load else contextlib.nullcontext()):
             if self.training:
                 self._pending_check = checked if isinstance(checked, DeferredCheck) else None
                 try:
@@ -148,14 +156,16 @@ class MegatronEngine(torch.nn.Module):
             else:
                 with torch.no_grad():
                     logs, logits = self._eval_step(micro_batches)
-        self.metrics = logs
-        if self.training and getattr(self, "tensorboard", None) is not None:
-            self.tensorboard.log_step(self.iteration, logs, self.optimizer, self)
         key = step.loss_log_key
         if key is not None and key in logs:
             loss = logs[key]
         else:
             loss = sum(logs.values()) if logs else torch.zeros((), device=self.device)
+        if load is not None:  # after the loss: the loads are logged, not added up into it
+            logs = {**logs, **load.logs()}
+        self.metrics = logs
+        if self.training and getattr(self, "tensorboard", None) is not None:
+            self.tensorboard.log_step(self.iteration, logs, self.optimizer, self)
         return self._output(cls, loss, logits, logs)
 
     def _skipped_step(self, cls):
@@ -261,6 +271,8 @@ class MegatronEngine(torch.nn.Module):
         forward_step = forward_step or self.train_step_handler.forward_step
         with self._autocast():
             output_tensor, loss_func = forward_step(iter([micro_batch]), self.model.module)
+            if self.expert_load is not None:
+                self.expert_load.add(self.model.module)
             return output_tensor, loss_func(output_tensor)
 
     def run_forward_only(self, micro_batches, forward_step=None, step=None) -> List[Dict[str, torch.Tensor]]:

@@ -226,6 +226,23 @@ class Findings:
         return safe
 
 
+def sequence_parallel_error(found: Findings, plugin) -> Optional[MegatronPluginConfigError]:
+    """Under sequence parallelism megatron-core splits the sequence evenly over the TP ranks: a length that
+    tp_degree does not divide is refused (on every rank, through the check's all-reduce), before the step."""
+    tp = found.layout[0]
+    if tp == 1 or not getattr(plugin, "sequence_parallelism", False):
+        return None
+    for k in found.id_keys:
+        length = found.batch[k].shape[-1]
+        if length % tp:
+            return MegatronPluginConfigError(
+                "sequence_parallelism", True,
+                f"the sequence length {length} of {k!r} must be a multiple of tp_degree={tp}: pad the batches to a "
+                f"multiple of {tp} (e.g. the tokenizer's pad_to_multiple_of={tp}), or set sequence_parallelism=False",
+            )
+    return None
+
+
 class BatchCheck:
     """Refuses token ids or labels the model cannot have, a sequence longer than its positions, different
     batches on the ranks of one model replica, or a batch the train step rejects, on every rank alike,
@@ -297,8 +314,9 @@ class BatchCheck:
         bad_ids, bad_labels, too_long = any_of(found.id_keys), any_of(found.label_keys), const(found.too_long)
         tokens = step.count_loss_tokens(found.batch) if need_loss else None
         loss_tokens = const(1) if tokens is None else tokens.to(self.device, torch.int64).reshape(())
-        try:  # the shapes the step pairs, then (for a loss) the step's own check
-            found.error = step.check_shapes(found.batch) or (step.check_batch(found.batch) if need_loss else None)
+        try:  # the shapes the step pairs, the sequence split, then (for a loss) the step's own check
+            found.error = (step.check_shapes(found.batch) or sequence_parallel_error(found, self.model.plugin)
+                           or (step.check_batch(found.batch) if need_loss else None))
         except Exception as e:  # raised by the verdict, once every rank knows
             found.error = e
         flags = Flags(bad_ids, bad_labels, too_long, loss_tokens, const(found.error is not None))

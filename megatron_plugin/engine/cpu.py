@@ -7,6 +7,14 @@ data-parallel ranks, clips them to the global norm and steps the torch optimizer
 With calculate_per_token_loss it does what megatron-core's schedules and finalize_model_grads do: each
 micro-batch's backward runs on its loss sum, the gradients are summed over data-parallel ranks and divided
 by the step's token count over all of them, so they are those of the mean over the global batch's tokens.
+
+Expert parameters of MoE layers (`allreduce = False`, set when the experts are laid out apart from the dense
+layers: expert_model_parallel_size > 1 or expert_tensor_parallel_size != tp_degree) are reduced as
+megatron-core's DDP reduces its expert buffers: summed over the expert-data-parallel group, then divided by
+the dense data-parallel size (or by the step's token count). Each expert-parallel rank's expert already saw
+the tokens of every rank of its expert-parallel group (the dispatcher gathered them), so that sum covers
+every data-parallel rank's loss once. The gradient norm counts each expert tensor once: dense tensors over
+the model-parallel group, expert tensors over the expert tensor x expert x pipeline group.
 """
 
 from __future__ import annotations
@@ -64,29 +72,30 @@ class CPUEngine(MegatronEngine):
     def reduce_gradients(self, tokens=None):
         """Average the gradients over data-parallel ranks, and sum those TP ranks computed apart. With
         `tokens` (this rank's loss tokens, calculate_per_token_loss) sum them, and divide by the tokens of
-        every data-parallel rank (megatron-core's finalize_model_grads with num_tokens)."""
-        grads = [p.grad for p in self._params() if p.grad is not None]
+        every data-parallel rank (megatron-core's finalize_model_grads with num_tokens). Expert parameters
+        are summed over the expert-data-parallel group and divided like the dense ones (module docstring)."""
+        params = [p for p in self._params() if p.grad is not None]
+        grads = [p.grad for p in params if is_dense(p)]
+        expert_grads = [p.grad for p in params if not is_dense(p)]
         dp = parallel_state.get_data_parallel_group(with_context_parallel=tokens is not None)
-        if dist.get_world_size(dp) > 1 and grads:
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=dp)
-            if tokens is None:
-                flat /= dist.get_world_size(dp)
-            for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-                g.copy_(reduced)
-        if tokens is not None:
+        dp_size = dist.get_world_size(dp)
+        _sum_over(grads, dp)
+        if expert_grads:
+            _sum_over(expert_grads, parallel_state.get_expert_data_parallel_group())
+        if tokens is None:
+            if dp_size > 1 and params:
+                torch._foreach_div_([p.grad for p in params], dp_size)
+        else:
             total = tokens.clone()
-            if dist.get_world_size(dp) > 1:
+            if dp_size > 1:
                 dist.all_reduce(total, group=dp)
-            if total > 0 and grads:
-                torch._foreach_mul_(grads, 1.0 / float(total))
-        # per-head q/k norms (Qwen3) are replicated, but each TP rank saw only its own heads: sum them, as
-        # mcore's finalize_model_grads does
+            if total > 0 and params:
+                torch._foreach_mul_([p.grad for p in params], 1.0 / float(total))
         tp = parallel_state.get_tensor_model_parallel_group()
         if dist.get_world_size(tp) > 1:
-            for name, p in self.model.module.named_parameters():
-                if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
-                    dist.all_reduce(p.grad, group=tp)
+            summed = [p.grad for name, p in self.model.module.named_parameters()
+                      if p.grad is not None and summed_over_tensor_parallel(name, p, self.model.config)]
+            _sum_over(summed, tp)
 
     @torch.no_grad()
     def clip_gradients(self) -> float:
@@ -94,11 +103,18 @@ class CPUEngine(MegatronEngine):
         clipping to the plugin's `gradient_clipping` the way torch.nn.utils.clip_grad_norm_ does."""
         params = [p for p in self._params() if p.grad is not None]
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
-        counted = [p.grad for p in params if getattr(p, "tensor_model_parallel", False) or tp_rank == 0]
-        sq = torch.zeros((), dtype=torch.float32, device=self.device)
-        for g in counted:
-            sq += g.float().pow(2).sum()
+        counted = [p.grad for p in params if is_dense(p) and (getattr(p, "tensor_model_parallel", False) or tp_rank == 0)]
+        sq = _squares(counted, self.device)
         dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+        experts = [p for p in params if not is_dense(p)]
+        if experts:
+            # distinct on every rank of the expert tensor x expert x pipeline group (as mcore's expert optimizer
+            # counts them); an expert tensor not split over expert-TP ranks is counted on the first of them
+            etp_rank = parallel_state.get_expert_tensor_parallel_rank()
+            expert_sq = _squares([p.grad for p in experts if getattr(p, "tensor_model_parallel", False) or etp_rank == 0],
+                                 self.device)
+            dist.all_reduce(expert_sq, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+            sq = sq + expert_sq
         norm = sq.sqrt().item()
         clip = self.plugin.gradient_clipping
         if clip and math.isfinite(norm):
@@ -107,3 +123,33 @@ class CPUEngine(MegatronEngine):
                 p.grad.mul_(coef)
         return norm
 
+
+def is_dense(param) -> bool:
+    """megatron-core's convention: expert parameters reduced over the expert-data-parallel group carry
+    `allreduce = False`; everything else is reduced over the data-parallel group."""
+    return getattr(param, "allreduce", True)
+
+
+def summed_over_tensor_parallel(name: str, param, config) -> bool:
+    """Replicated over TP ranks but computed from each rank's own part: per-head q/k norms (Qwen3), and under
+    sequence parallelism the parameters marked `sequence_parallel` (norms, an MoE router, a shared expert's
+    gate), each rank having seen only its part of the sequence. mcore's finalize_model_grads sums the same."""
+    if "q_layernorm" in name or "k_layernorm" in name:
+        return True
+    return bool(getattr(config, "sequence_parallel", False) and getattr(param, "sequence_parallel", False))
+
+
+def _sum_over(grads, group) -> None:
+    if not grads or group is None or dist.get_world_size(group) == 1:
+        return
+    flat = torch._utils._flatten_dense_tensors(grads)
+    dist.all_reduce(flat, group=group)
+    for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
+        g.copy_(reduced)
+
+
+def _squares(grads, device) -> torch.Tensor:
+    sq = torch.zeros((), dtype=torch.float32, device=device)
+    for g in grads:
+        sq += g.float().pow(2).sum()
+    return sq

@@ -6,6 +6,10 @@ update. torch's fused Adam(W) can take that decision on the device: it divides t
 `grad_scale` and skips the update where `found_inf` is set (the hooks GradScaler uses). So the clip
 factor and the non-finite check ride into the update kernel and nothing waits. A step with a
 non-finite norm leaves the weights as they were (mcore would apply the NaN update under bf16).
+
+With MoE expert parallelism mcore chains a dense and an expert optimizer whose norms are reduced over
+different groups (model-parallel, expert tensor x expert x pipeline): each part's squares are summed over its
+own group and the parts added, as mcore's ChainedOptimizer.get_grad_norm does, still on the device.
 """
 
 from __future__ import annotations
@@ -37,8 +41,18 @@ def supported(megatron_optimizer) -> bool:
             return False
         if not all(g.get("fused") for g in inner.param_groups):
             return False
+    return True
+
+
+def _shared_group(megatron_optimizer) -> bool:
     shared = getattr(megatron_optimizer, "grads_states_parallel_group_is_shared", None)  # chained only
     return shared is None or shared()
+
+
+def _squares(grads, device_of) -> torch.Tensor:
+    if grads:
+        return multi_tensor_l2norm(None, None, [grads], False)[0] ** 2
+    return torch.zeros(1, dtype=torch.float32, device=device_of())
 
 
 @torch.no_grad()
@@ -48,13 +62,18 @@ def step(megatron_optimizer) -> Tuple[torch.Tensor, torch.Tensor]:
     skipped (non-finite norm), both as device tensors."""
     subs = _subs(megatron_optimizer)
     megatron_optimizer.prepare_grads()  # without a loss scaler this only copies, and finds nothing
-    grads = [g for o in subs for g in o.get_main_grads_for_grad_norm()]
-    if grads:  # as mcore's get_grad_norm_fp32: the local norm squared, summed over the group
-        sq = multi_tensor_l2norm(None, None, [grads], False)[0] ** 2
+    device_of = lambda: next(p for o in subs for g in o.optimizer.param_groups for p in g["params"]).device
+    if _shared_group(megatron_optimizer):
+        # as mcore's get_grad_norm_fp32: the local norm squared, summed over the group
+        sq = _squares([g for o in subs for g in o.get_main_grads_for_grad_norm()], device_of)
+        dist.all_reduce(sq, group=megatron_optimizer.get_grad_stats_parallel_group())
     else:
-        device = next(p for o in subs for g in o.optimizer.param_groups for p in g["params"]).device
-        sq = torch.zeros(1, dtype=torch.float32, device=device)
-    dist.all_reduce(sq, group=megatron_optimizer.get_grad_stats_parallel_group())
+        parts = []
+        for o in subs:
+            part = _squares(o.get_main_grads_for_grad_norm(), device_of)
+            dist.all_reduce(part, group=o.get_grad_stats_parallel_group())
+            parts.append(part)
+        sq = torch.stack(parts).sum(0)
     norm = sq.sqrt().reshape(())
     skipped = ~torch.isfinite(norm)
     found_inf = skipped.float()  # 0-dim, like the step counters it is subtracted from

@@ -84,6 +84,9 @@ def start(plugin: MegatronLMPlugin, num_layers=None, timeout_minutes: int = 30) 
             tensor_model_parallel_size=plugin.tp_degree,
             pipeline_model_parallel_size=plugin.pp_degree,
             virtual_pipeline_model_parallel_size=vpp,
+            expert_model_parallel_size=plugin.expert_model_parallel_size,
+            # None: megatron-core's default, the tensor-parallel size
+            expert_tensor_parallel_size=plugin.expert_tensor_parallel_size,
             distributed_timeout_minutes=timeout_minutes,
             # mcore's optimizer (its distributed-optimizer checkpointing) wants gloo side-groups next to
             # NCCL; on a CPU run the main groups already are gloo.
@@ -95,7 +98,7 @@ def start(plugin: MegatronLMPlugin, num_layers=None, timeout_minutes: int = 30) 
 
 
 def report_layout(plugin: MegatronLMPlugin) -> None:
-    """Collective, once per start: rank 0 logs which ranks form each TP / CP / PP / DP group and on which
+    """Collective, once per start: rank 0 logs which ranks form each TP / CP / PP / DP (/ EP) group and on which
     machine (INFO), and warns when TP groups span machines. A world of one has nothing to place."""
     world = dist.get_world_size()
     if world == 1:
@@ -108,7 +111,8 @@ def report_layout(plugin: MegatronLMPlugin) -> None:
         return
     machines = machine_names([h for h, _ in everyone], [n for _, n in everyone])
     cp = plugin.context_parallel_size or 1
-    where = placement(world, plugin.tp_degree, plugin.pp_degree, cp, machines)
+    where = placement(world, plugin.tp_degree, plugin.pp_degree, cp, machines, plugin.expert_model_parallel_size,
+                      plugin.expert_tensor_parallel_size)
     logger.info("%s", where.table(plugin.tp_degree, plugin.pp_degree, cp))
     if where.warning:
         logger.warning("%s", where.warning)

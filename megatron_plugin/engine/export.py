@@ -3,7 +3,8 @@
 `iter_hf_weights` walks the model in order, stage by stage: the stage that holds a tensor all-gathers it
 over its TP ranks and converts it (vocabulary padding removed, fused QKV / gate-up split back), then, with
 pipeline stages, broadcasts it to the other stages. Every rank of a model replica sees every tensor,
-named and shaped as in the HF model that was prepared; none holds more than one at a time. It feeds
+named and shaped as in the HF model that was prepared (MoE experts one tensor per expert, under the names
+HF checkpoints use, gathered over the expert-parallel ranks too); none holds more than one at a time. It feeds
 `save_model` (sharded safetensors written by global rank 0), `get_state_dict`, and weight pushes into
 inference engines (`engine.iter_hf_weights()`).
 """
@@ -20,6 +21,7 @@ from megatron.core import parallel_state
 from ..errors import MegatronPluginConfigError
 from ..fs import check_writable
 from ..models.convert import _mcore_state, hf_tensor_headers, iter_hf_tensors
+from ..models.modeling import experts_laid_apart
 from .checkpointing.collective import agree
 from .hf_io import HFShardWriter, parse_size
 
@@ -91,9 +93,11 @@ def save_model(engine, save_directory: str, max_shard_size="10GB", safe_serializ
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
         writer = HFShardWriter(directory, max_shard_size)
-    # every data-parallel replica walks its own copy; only replica 0's tensors are written
+    # every data-parallel replica walks its own copy; only replica 0's tensors are written. With experts laid
+    # out apart (split over expert-parallel ranks or another expert TP size), whose groups span ranks of
+    # different replicas, the experts are gathered over those: every replica walks then, with its peers
     first_replica = parallel_state.get_data_parallel_rank() == 0
-    if first_replica:
+    if first_replica or any(experts_laid_apart(chunk.plan) for chunk in engine.chunks):
         for name, tensor in iter_hf_weights(engine):
             if writer is not None:
                 writer.add(name, tensor)

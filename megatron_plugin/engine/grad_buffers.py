@@ -16,15 +16,23 @@ from typing import List, Set
 import torch
 
 from ..layers.embedding import VocabParallelEmbedding
+from ..layers.moe import Experts
 
 
 def written_first_by_gemm(module: torch.nn.Module) -> Set[torch.nn.Parameter]:
     """The trainable weights whose every step starts with a fused weight-gradient GEMM: the parallel
     linears' own weights, and a word embedding tied to an output layer on the same stage (the output
     layer's backward runs before the lookup's, which only adds rows). None without
-    gradient_accumulation_fusion: then every gradient is added by DDP's hook into a zeroed buffer."""
+    gradient_accumulation_fusion: then every gradient is added by DDP's hook into a zeroed buffer.
+
+    MoE experts' linears are left out: on CUDA in bf16 the experts run as grouped GEMMs over their stacked
+    weights (layers/moe.Experts), which never reach the linears' fused GEMM, so their gradients come through
+    DDP's hook, which adds: their buffer must start zeroed."""
+    grouped = {id(p) for m in module.modules() if isinstance(m, Experts) for p in m.parameters()}
     found = set()
     for m in module.modules():
+        if any(id(p) in grouped for p in m.parameters(recurse=False)):
+            continue
         if isinstance(m, VocabParallelEmbedding):
             fused = m.model_config is not None and m.model_config.gradient_accumulation_fusion
             if fused and m.output_layer_shares_weight and m.weight.requires_grad:

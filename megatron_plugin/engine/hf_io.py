@@ -18,7 +18,8 @@ from ..errors import MegatronPluginConfigError
 from ..models import get_family
 from ..models.convert import model_dims
 from ..models.mapping import TRANSFORMS, StagePlan, TensorSlice, expand, unshard
-from .checkpointing.layout import chunk_key, model_file, read_meta, resolve_checkpoint, verify_file
+from .checkpointing.layout import (chunk_key, expert_file, expert_sizes, model_file, read_meta, resolve_checkpoint,
+                                  verify_file)
 
 DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -152,9 +153,17 @@ def _load_bin(file: str, setting: str = "--load_path") -> dict:
         raise MegatronPluginConfigError(setting, file, f"cannot read this .bin file ({err}); is it complete?") from None
 
 
+def with_experts(family, hf_config, plan: StagePlan, ep_size: int = 1, ep_rank: int = 0) -> StagePlan:
+    """`plan` with the routed experts expert-parallel rank `ep_rank` of `ep_size` holds, for an MoE model;
+    any other model's plan as it is."""
+    experts = family.num_experts(hf_config)
+    return plan.with_experts(experts, ep_size, ep_rank) if experts else plan
+
+
 class MegatronReader:
-    """A checkpoint written by `accelerator.save_state` or by this package, at any TP/PP/virtual stages.
-    `get(name)` rebuilds one HF tensor from the TP shards of the stage that holds it."""
+    """A checkpoint written by `accelerator.save_state` or by this package, at any TP/PP/virtual stages and,
+    for an MoE model, any expert-parallel / expert tensor-parallel layout. `get(name)` rebuilds one HF
+    tensor from the shards of the stage (and expert-parallel rank) that holds it."""
 
     def __init__(self, path: str, setting: str = "--load_path"):
         self.setting = setting
@@ -164,6 +173,7 @@ class MegatronReader:
         self.family = get_family(self.config)
         self.variant = self.meta["variant"]
         tp = self.meta["tp"]
+        self.ep, self.etp = expert_sizes(self.meta) or (1, tp)
         self.dims = model_dims(self.family, self.config, self.meta["make_vocab_size_divisible_by"], tp)
         rules = self.family.table(self.config, self.variant)
         num_layers = self.family.num_layers(self.config)
@@ -171,31 +181,44 @@ class MegatronReader:
         self._source: Dict[str, tuple] = {}
         for pp in range(self.meta["pp"]):
             for vp in range(vpp):
-                plan = StagePlan.for_rank(num_layers, self.meta["pp"], pp, vp, vpp)
-                for rule, hf_names, mcore_name in expand(rules, plan):
-                    if rule.stage == "tied_output":
-                        continue
-                    for i, n in enumerate(hf_names):
-                        self._source[n] = (rule, chunk_key(vp, vpp, mcore_name), pp, i)
+                stage = StagePlan.for_rank(num_layers, self.meta["pp"], pp, vp, vpp)
+                for ep_rank in range(self.ep):
+                    plan = with_experts(self.family, self.config, stage, self.ep, ep_rank)
+                    for rule, hf_names, mcore_name in expand(rules, plan):
+                        if rule.stage == "tied_output" or (ep_rank and not rule.per_expert):
+                            continue
+                        for i, n in enumerate(hf_names):
+                            self._source[n] = (rule, chunk_key(vp, vpp, mcore_name), pp,
+                                               ep_rank if rule.per_expert else None, i)
         self.names = list(self._source)
         self._cache: Tuple[str, List[torch.Tensor]] = ("", [])
-        for pp in range(self.meta["pp"]):
-            for t in range(tp):  # every shard complete and undamaged before anything is written
-                verify_file(self.ckpt, os.path.relpath(self._file(t, pp), self.ckpt), self.meta)
+        for pp in range(self.meta["pp"]):  # every shard complete and undamaged before anything is written
+            files = [self._file(t, pp) for t in range(tp)]
+            if expert_sizes(self.meta) is not None:
+                files += [self._expert_file(t, e, pp) for e in range(self.ep) for t in range(self.etp)]
+            for file in files:
+                verify_file(self.ckpt, os.path.relpath(file, self.ckpt), self.meta)
 
     def _file(self, tp_rank: int, pp_rank: int) -> str:
         return model_file(self.ckpt, tp_rank, pp_rank)
+
+    def _expert_file(self, etp_rank: int, ep_rank: int, pp_rank: int) -> str:
+        return expert_file(self.ckpt, etp_rank, ep_rank, pp_rank)
 
     def get_slice(self, name: str):
         return TensorSlice(self.get(name))
 
     def get(self, name: str) -> torch.Tensor:
-        rule, mcore_name, pp, index = self._source[name]
-        key = f"{pp}/{mcore_name}"
+        rule, mcore_name, pp, ep_rank, index = self._source[name]
+        key = f"{pp}/{ep_rank}/{mcore_name}"
         if self._cache[0] != key:  # q/k/v of one fused tensor are asked for in turn: rebuild it once
+            if ep_rank is None:
+                files = [self._file(t, pp) for t in range(self.meta["tp"])]
+            else:
+                files = [self._expert_file(t, ep_rank, pp) for t in range(self.etp)]
             shards = []
-            for t in range(self.meta["tp"]):
-                with _open_safetensors(self._file(t, pp)) as f:
+            for file in files:
+                with _open_safetensors(file) as f:
                     shards.append(f.get_tensor(mcore_name))
             self._cache = (key, TRANSFORMS[rule.transform].to_hf(unshard(shards, rule), self.dims))
         return self._cache[1][index]

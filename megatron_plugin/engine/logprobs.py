@@ -18,6 +18,7 @@ from functools import partial
 import torch
 
 from ..errors import MegatronPluginConfigError
+from .expert_group import check_same_shapes
 
 
 def check_temperature(temperature) -> float:
@@ -72,6 +73,7 @@ class LogProbs:
         step = self.logits_step(engine)
         micro_batches = engine.micro_batches(batch, step)
         engine.check_batch(batch, step, micro_batches, need_loss=False)
+        check_same_shapes(engine, micro_batches, step, "compute_log_probs(batch)")
         forward_step = log_prob_forward_step(step, engine.model.hf_config.vocab_size, temperature, entropy)
         was_training = engine.training
         engine.train(False)

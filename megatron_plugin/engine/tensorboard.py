@@ -60,7 +60,8 @@ class TensorBoardLogger:
         return self._writer
 
     def log_step(self, step: int, outputs: dict, optimizer, engine) -> None:
-        """Write the step's scalars: its logged losses (e.g. 'lm loss'), 'learning-rate', 'grad-norm',
+        """Write the step's scalars: its logged losses (e.g. 'lm loss'; with MoE 'load_balancing_loss', per
+        layer 'tokens per expert/layer n/expert e', 'dropped fraction'), 'learning-rate', 'grad-norm',
         'loss-scale' (fp16), 'skipped-train-steps', 'batch-size', 'world-size'; with set_all_logging_options
         also 'params-norm' and memory. Collective only with set_all_logging_options (the parameter norm)."""
         params_norm = self.params_norm(engine) if self.all else None
@@ -70,6 +71,9 @@ class TensorBoardLogger:
         for key, value in outputs.items():
             if torch.is_tensor(value) and value.dim() == 0 or isinstance(value, (int, float)):
                 w.add_scalar(key, float(value), step)
+            elif torch.is_tensor(value) and value.dim() == 1:  # an MoE layer's tokens per expert
+                for e, v in enumerate(value.tolist()):
+                    w.add_scalar(f"{key}/expert {e}", v, step)
         w.add_scalar("learning-rate", optimizer.param_groups[0]["lr"], step)
         grad_norm = _scalar(engine.last_grad_norm)
         if grad_norm is not None:
@@ -95,14 +99,23 @@ class TensorBoardLogger:
         tensors once (TP rank 0), pipeline stages summed. Collective over the model-parallel group."""
         tp_rank = parallel_state.get_tensor_model_parallel_rank()
         sq = torch.zeros((), dtype=torch.float32, device=engine.device)
+        expert_sq = torch.zeros((), dtype=torch.float32, device=engine.device)
+        experts = False
         for chunk in engine.chunks:
             for p in chunk.module.parameters():
+                if not getattr(p, "allreduce", True):  # an expert-parallel MoE expert: its own group below
+                    experts = True
+                    expert_sq += p.detach().float().pow(2).sum()
+                    continue
                 if not (getattr(p, "tensor_model_parallel", False) or tp_rank == 0):
                     continue
                 if getattr(p, "shared", False):  # the last stage's copy of tied embeddings (Megatron-LM skips it too)
                     continue
                 sq += p.detach().float().pow(2).sum()
         dist.all_reduce(sq, group=parallel_state.get_model_parallel_group())
+        if experts:  # each expert tensor lives on one rank of the expert tensor x expert x pipeline group
+            dist.all_reduce(expert_sq, group=parallel_state.get_expert_tensor_model_pipeline_parallel_group())
+            sq = sq + expert_sq
         return sq.sqrt().item()
 
     @staticmethod

@@ -27,6 +27,8 @@ from megatron.core import parallel_state
 from ..errors import MegatronPluginConfigError
 from ..layers.comm import gather_tensor_parallel_last_dim
 from .cache import DecodeState, kv_cache
+from .expert_peers import ExpertPeers
+from .sequence_parallel import sequence_parallel_off
 
 
 @dataclass
@@ -260,11 +262,31 @@ class _Step:
 def generate(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tensor], settings: Settings,
              device: torch.device, add_bos: Optional[int] = None, cuda_graphs: Optional[bool] = None,
              use_cache: bool = True) -> torch.Tensor:
-    """The decoding loop on a MegatronModel stage (no virtual pipeline chunks)."""
+    """The decoding loop on a MegatronModel stage (no virtual pipeline chunks). With MoE layers whose
+    expert-parallel group spans data-parallel replicas, the group decodes its prompts together
+    (expert_peers.py)."""
     tokens, lengths = right_padded(input_ids, attention_mask)
     if add_bos is not None:
         tokens = torch.cat([torch.full_like(tokens[:, :1], add_bos), tokens], 1)
         lengths = lengths + 1
+    moe = bool(getattr(model.config, "num_moe_experts", None))
+    if moe and cuda_graphs:
+        raise MegatronPluginConfigError("cuda_graphs", True, "MoE layers route each step's tokens with host-side "
+                                        "decisions a CUDA graph cannot replay: pass cuda_graphs=False (or None)")
+    peers = ExpertPeers.of(model)
+    if peers is not None:
+        tokens, lengths = peers.union(tokens, lengths, settings)
+        if settings.num_beams > 1:  # after the union: every member has the same settings, and raises alike
+            raise MegatronPluginConfigError(
+                "num_beams", settings.num_beams, "beam search decodes one prompt, and expert-parallel ranks of "
+                "different data-parallel replicas decode together: use greedy decoding or sampling, or "
+                "expert_model_parallel_size=1 for beam search")
+        out = _decode(model, tokens, lengths, settings, device, False, use_cache, peers)
+        return peers.own(out, settings.stop_tokens)
+    return _decode(model, tokens, lengths, settings, device, False if moe else cuda_graphs, use_cache, None)
+
+
+def _decode(model, tokens, lengths, settings: Settings, device, cuda_graphs, use_cache: bool, peers) -> torch.Tensor:
     b = tokens.shape[0]
     total = int(lengths.max()) + settings.max_new_tokens
     out = torch.full((b, total), settings.pad_token, dtype=torch.long)
@@ -289,19 +311,20 @@ def generate(model, input_ids: torch.Tensor, attention_mask: Optional[torch.Tens
     try:
         if not use_cache:  # every step recomputes the whole prefix (a check of the cache, and a fallback)
             step = lambda tokens, pos: decoder.run(out[:, : pos + 1])
-            return _sample_loop(decoder, step, state, out, lengths, settings, generator)
+            return _sample_loop(decoder, step, state, out, lengths, settings, generator, peers)
         with kv_cache([module], state):
             if settings.num_beams > 1:
                 return _beam_search(decoder, state, out, int(lengths[0]), settings)
             step = _Step(decoder, state, b, cuda_graphs)
-            return _sample_loop(decoder, step, state, out, lengths, settings, generator)
+            return _sample_loop(decoder, step, state, out, lengths, settings, generator, peers)
     finally:
         module.last_position_logits = False
         module.train(was_training)
 
 
-def _choose(logits, settings: Settings, top_p: float, generator):
-    """The next token of every row (the same on every TP rank), and top_p after its decay."""
+def _choose(logits, settings: Settings, top_p: float, generator, peers=None):
+    """The next token of every row (the same on every TP rank, and on every expert-parallel peer decoding
+    with this one), and top_p after its decay."""
     if settings.greedy:
         nxt = logits.argmax(-1)
     else:
@@ -309,7 +332,8 @@ def _choose(logits, settings: Settings, top_p: float, generator):
         nxt = torch.multinomial(scaled.softmax(-1), 1, generator=generator).squeeze(-1)
         if top_p and settings.top_p_decay:
             top_p = max(top_p * settings.top_p_decay, settings.top_p_bound)
-    return _agree(nxt), top_p
+    nxt = _agree(nxt)
+    return (nxt if peers is None else peers.agree(nxt)), top_p
 
 
 def _seq2seq_generate(model, input_ids, attention_mask, settings: Settings, device, generator):
@@ -355,7 +379,7 @@ def _seq2seq_generate(model, input_ids, attention_mask, settings: Settings, devi
         module.train(was_training)
 
 
-def _sample_loop(decoder, step, state, out, lengths, settings: Settings, generator):
+def _sample_loop(decoder, step, state, out, lengths, settings: Settings, generator, peers=None):
     b = out.shape[0]
     start = int(lengths.min())
     state.offset = 0
@@ -364,7 +388,7 @@ def _sample_loop(decoder, step, state, out, lengths, settings: Settings, generat
     stops = torch.tensor(settings.stop_tokens, dtype=torch.long, device=out.device)
     top_p = settings.top_p
     for pos in range(start, out.shape[1]):
-        nxt, top_p = _choose(logits, settings, top_p, generator)
+        nxt, top_p = _choose(logits, settings, top_p, generator, peers)
         writing = (pos >= lengths) & ~done  # rows still inside their prompt keep the prompt token
         out[:, pos] = torch.where(writing, nxt, out[:, pos])
         if stops.numel():
@@ -463,7 +487,9 @@ def megatron_generate(model, inputs: torch.Tensor, attention_mask: Optional[torc
     Returns token ids [batch, length]: each row's prompt, its new tokens, then padding. Greedy unless
     `temperature`, `top_k` (> 1) or `top_p` ask for sampling; `num_beams` > 1 runs beam search on one
     prompt. Stops a row at `stop_token` / `eos_token_id` (default: the model's eos). Every process of the
-    model's TP/PP group calls it with the same prompts; data-parallel replicas generate independently.
+    model's TP/PP group calls it with the same prompts; data-parallel replicas generate independently (those
+    sharing MoE experts over expert parallelism decode their prompts together: expert_peers.py). A model
+    trained with sequence parallelism decodes without it (sequence_parallel.py).
     """
     if kwargs:
         raise MegatronPluginConfigError("megatron_generate", sorted(kwargs), "unknown arguments")
@@ -473,9 +499,6 @@ def megatron_generate(model, inputs: torch.Tensor, attention_mask: Optional[torc
     if engine is not None and len(engine.chunks) > 1:
         raise MegatronPluginConfigError("num_layers_per_virtual_pipeline_stage", plugin.num_layers_per_virtual_pipeline_stage,
                                         "generation runs without virtual pipeline stages: unset it for inference")
-    if plugin.sequence_parallelism:
-        raise MegatronPluginConfigError("sequence_parallelism", True, "generation decodes one token at a time, which "
-                                        "cannot be split over TP ranks: turn it off for inference")
     if not stage.lm_head:
         raise MegatronPluginConfigError("model", type(stage.module).__name__, "a base model has no LM head to generate with")
     _flag("add_BOS", add_BOS)
@@ -512,8 +535,11 @@ def megatron_generate(model, inputs: torch.Tensor, attention_mask: Optional[torc
         if cuda_graphs:
             raise MegatronPluginConfigError("cuda_graphs", True, f"{stage.family.name} decodes eagerly: drop cuda_graphs")
         generator = torch.Generator(device=device).manual_seed(settings.random_seed) if settings.random_seed is not None else None
-        return _seq2seq_generate(stage, inputs, attention_mask, settings, device, generator)
+        with sequence_parallel_off(stage.module):
+            return _seq2seq_generate(stage, inputs, attention_mask, settings, device, generator)
     if not use_cache and (cuda_graphs or settings.num_beams > 1):
         raise MegatronPluginConfigError("use_cache", False, "beam search and CUDA graphs decode with the cache")
-    return generate(stage, inputs, attention_mask, settings, device, add_bos=bos,
-                    cuda_graphs=cuda_graphs if use_cache else False, use_cache=use_cache)
+    # one token per row cannot be split over TP ranks: a model trained with sequence parallelism decodes without
+    with sequence_parallel_off(stage.module):
+        return generate(stage, inputs, attention_mask, settings, device, add_bos=bos,
+                        cuda_graphs=cuda_graphs if use_cache else False, use_cache=use_cache)

@@ -44,6 +44,10 @@ def _define(schema: str, impl, fake):
     return getattr(torch.ops.megatron_plugin, name).default
 
 
+# for other modules of this package whose backward writes into main_grad (layers/moe.py's grouped experts)
+define_op = _define
+
+
 def _size(group: str) -> int:
     return _resolve_process_group(group).size() if group else 1
 

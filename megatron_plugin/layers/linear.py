@@ -7,6 +7,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear as _McoreColumnPa
 from megatron.core.tensor_parallel import RowParallelLinear as _McoreRowParallelLinear
 
 from . import compiled_linear
+from .sp_comm import gather_first_dim, reduce_scatter_first_dim
 
 
 @torch.compiler.disable
@@ -50,6 +51,13 @@ def _fuse_only_with_main_grad(weight, kwargs):
         kwargs["gradient_accumulation_fusion"] = False
 
 
+def _cpu_sequence_parallel(layer, x) -> bool:
+    """Sequence parallelism on CPU: mcore's linears gather and reduce-scatter the sequence into CUDA
+    buffers; on CPU our linears do it with `sp_comm`'s collectives instead (same autograd)."""
+    return (layer.sequence_parallel and not layer.explicit_expert_comm and layer.tp_group is not None
+            and layer.tp_group.size() > 1 and x.device.type == "cpu")
+
+
 def _cast_for_cpu_autocast(input, weight, kwargs):
     """mcore's linear autograd functions declare autocast for CUDA only. Under CPU autocast their
     forward computes in bf16 but their backward multiplies the bf16 gradient with the fp32 weight and
@@ -74,6 +82,10 @@ class ColumnParallelLinear(_McoreColumnParallelLinear):
         out = _ops_linear(self, input, weight, kwargs)
         if out is not None:
             return out
+        if kwargs.get("sequence_parallel") and _cpu_sequence_parallel(self, input):
+            # gathered here, the gradient of the gathered input is reduce-scattered by the gather's backward
+            input = gather_first_dim(input, self.tp_group)
+            kwargs["sequence_parallel"] = False
         _fuse_only_with_main_grad(weight, kwargs)
         input, weight = _cast_for_cpu_autocast(input, weight, kwargs)
         return super()._forward_impl(input, weight, *args, **kwargs)
@@ -90,7 +102,19 @@ class RowParallelLinear(_McoreRowParallelLinear):
         if (_as_ops(self) and self.tp_group is not None and self.tp_group.size() > 1 and self.input_is_parallel
                 and not self.explicit_expert_comm):
             return self._ops_forward(input_)
+        if _cpu_sequence_parallel(self, input_) and self.input_is_parallel:
+            return self._cpu_sp_forward(input_)
         return _forward(self, super().forward, input_, *args, **kwargs)
+
+    def _cpu_sp_forward(self, input_):
+        """mcore's forward for an input split over TP under SP, with the reduce-scatter of `sp_comm`."""
+        out = self._forward_impl(input=input_, weight=self.weight, bias=None,
+                                 gradient_accumulation_fusion=self.gradient_accumulation_fusion,
+                                 allreduce_dgrad=False, sequence_parallel=False, tp_group=None, grad_output_buffer=None)
+        out = reduce_scatter_first_dim(out, self.tp_group)
+        if self.skip_bias_add:
+            return out, self.bias
+        return (out + self.bias if self.bias is not None else out), None
 
     def _ops_forward(self, input_):
         """mcore's forward for an input split over TP, with the linear and the TP sum (all-reduce, or

@@ -5,14 +5,14 @@ One place decides which modules fill the slots; the model code never branches on
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import List, Optional, Sequence, Union
 
 from megatron.core.transformer.attention import CrossAttention, CrossAttentionSubmodules, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.moe.experts import SequentialMLP
-from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.moe_layer import MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 from megatron.core.transformer.transformer_config import TransformerConfig
@@ -22,6 +22,7 @@ from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from ..errors import MegatronPluginConfigError
 from .attention import SDPAttention, SelfAttention
 from .linear import ColumnParallelLinear, DropoutInputRowParallelLinear, RowParallelLinear
+from .moe import Experts, MoELayer, Router
 from .norm import Norm
 from .post_ln import PostLNTransformerLayer
 
@@ -38,19 +39,26 @@ def dense_mlp_spec(mlp_dropout: bool = False) -> ModuleSpec:
     )
 
 
-def moe_mlp_spec() -> ModuleSpec:
-    """Megatron-Core's MoE layer (its router and token dispatcher) with experts that run one after another
-    (`SequentialMLP`), each an MLP on our linears, so experts train on CPU and under autocast like the dense
-    MLP. The expert count, top-k and dispatcher come from the TransformerConfig (`num_moe_experts`, ...);
-    mcore's local GPT spec builds the same, but on its own linears.
+def moe_mlp_spec(config: Optional[TransformerConfig] = None) -> ModuleSpec:
+    """The MoE layer (`layers/moe.py`): our MoELayer (megatron-core's, with a dispatcher that runs on gloo),
+    our HF-exact `Router`, the routed experts as `Experts` (megatron-core's `SequentialMLP` parameters; grouped
+    GEMMs on CUDA bf16) and, when `config.moe_shared_expert_intermediate_size` is set, megatron-core's
+    `SharedExpertMLP` (with its sigmoid gate under `moe_shared_expert_gate`), all on our linears. Expert count,
+    top-k and capacity come from the TransformerConfig (`num_moe_experts`, ...).
     """
+    shared = None
+    if config is None or config.moe_shared_expert_intermediate_size is not None:
+        shared = ModuleSpec(module=SharedExpertMLP,
+                            submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear))
     return ModuleSpec(
         module=MoELayer,
         submodules=MoESubmodules(
             experts=ModuleSpec(
-                module=SequentialMLP,
+                module=Experts,
                 submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
             ),
+            shared_experts=shared,
+            router=Router,
         ),
     )
 
@@ -127,9 +135,10 @@ def checkpoint_keys_map(post_ln: bool, mlp: ModuleSpec) -> dict:
 
 def block_spec(config: TransformerConfig, num_local_layers: int, backend: str = "local", *, causal: bool = True,
                post_ln: bool = False, cross_attention: bool = False, mlp_dropout: bool = False,
-               mlp: Optional[ModuleSpec] = None) -> TransformerBlockSubmodules:
+               mlp: Union[None, ModuleSpec, Sequence[Optional[ModuleSpec]]] = None) -> TransformerBlockSubmodules:
     """A block: `num_local_layers` layers of the chosen backend and a final norm (none after post-LN layers).
-    `mlp` fills every layer's MLP slot (see `local_layer_spec`; None: the dense MLP).
+    `mlp` fills every layer's MLP slot (see `local_layer_spec`; None: the dense MLP), or is a list with one
+    spec (or None) per local layer: a model whose layers are partly MoE (Qwen2-MoE's `mlp_only_layers`).
 
     Passing the block (not just the layer) keeps mcore from choosing its own final norm, which would be
     apex's or `WrappedTorchNorm` (no sequence parallelism); mcore's T5 block specs drop it without TE.
@@ -140,9 +149,12 @@ def block_spec(config: TransformerConfig, num_local_layers: int, backend: str = 
         raise MegatronPluginConfigError(
             "backend", backend, "only the 'local' spec (Megatron-Core layers + SDPA attention) is supported so far"
         )
-    layer = local_layer_spec(config.qk_layernorm, causal=causal, post_ln=post_ln, cross_attention=cross_attention,
-                             mlp_dropout=mlp_dropout, mlp=mlp)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_local_layers, layer_norm=None if post_ln else Norm)
+    mlps: List[Optional[ModuleSpec]] = list(mlp) if isinstance(mlp, (list, tuple)) else [mlp] * num_local_layers
+    if len(mlps) != num_local_layers:
+        raise ValueError(f"block_spec got {len(mlps)} MLP specs for {num_local_layers} local layers")
+    layers = [local_layer_spec(config.qk_layernorm, causal=causal, post_ln=post_ln, cross_attention=cross_attention,
+                               mlp_dropout=mlp_dropout, mlp=m) for m in mlps]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=None if post_ln else Norm)
 
 
 def default_backend(device_type: str, requested: Optional[str] = None) -> str:

@@ -267,6 +267,8 @@ def _family(model_type: str, prefix_classes: str) -> ModelFamily:
         tied_aliases=tied_aliases,
         position_limit=lambda c: c.max_position_embeddings,
         base_variants=("base", "base_no_pooler"),
+        sequence_parallel_note="megatron-core 0.16.1's BertLMHead builds a torch LayerNorm that asserts "
+        "sequence_parallel is off (before any weight is loaded): set sequence_parallelism=False",
     )
 
 

@@ -13,7 +13,7 @@ from megatron.core import parallel_state
 from . import ModelFamily
 from .gpt import padded_vocab_size
 from ..errors import MegatronPluginConfigError
-from .mapping import TRANSFORMS, Dims, StagePlan, expand, mcore_to_hf, read_shard
+from .mapping import TRANSFORMS, Dims, StagePlan, expand, mcore_to_hf, read_shard, unshard
 
 # HF tensors that are not weights (buffers some transformers versions keep in state dicts)
 _IGNORED_HF = re.compile(r"(\.attn\.bias|\.attn\.masked_bias|rotary_emb\.inv_freq)$")
@@ -48,11 +48,16 @@ def load_hf_into_mcore(
     tp_size: int,
     tp_rank: int,
     extra_tensors: str = "raise",
+    etp_size: Optional[int] = None,
+    etp_rank: Optional[int] = None,
 ) -> None:
     """Fill every parameter of `model` (one TP/PP rank) from HF tensors, read through `get_slice(name)`
     (a lazily read view, `mapping.read_shard`; `TensorSlice` over a tensor in memory). Raises if any
     Megatron parameter stays unfilled or any HF weight is left unused, so a mapping gap can't pass
-    silently, or if a tensor's shape does not fit (naming it)."""
+    silently, or if a tensor's shape does not fit (naming it). Experts (rules with `{e}`, those of `plan`'s
+    expert-parallel rank only) are split over the expert tensor-parallel ranks `etp_size`/`etp_rank`
+    (default: the tensor-parallel ones)."""
+    etp_size, etp_rank = (tp_size, tp_rank) if etp_size is None else (etp_size, etp_rank)
     target = _mcore_state(model)
     rules = family.table(hf_config, variant)
     filled, used = set(), set()
@@ -63,7 +68,8 @@ def load_hf_into_mcore(
 
     for rule, sources, name in expand(rules, plan):
         try:
-            tensor = read_shard(get_and_track, rule, sources, dims, tp_size, tp_rank)
+            p, r = (etp_size, etp_rank) if rule.per_expert else (tp_size, tp_rank)
+            tensor = read_shard(get_and_track, rule, sources, dims, p, r)
         except MegatronPluginConfigError:
             raise
         except (RuntimeError, ValueError, IndexError) as err:  # a source of another shape than the config says
@@ -112,21 +118,46 @@ def iter_hf_tensors(
 ) -> Iterator[Tuple[str, torch.Tensor]]:
     """This stage's HF tensors, one Megatron tensor's worth at a time: its TP shards all-gathered and
     converted (names as in the mapping table; strip `family.prefix(variant)` for the variant's own). With
-    `grads`, the parameters' gradients. Call on every rank of the TP group, consuming it to the end."""
+    `grads`, the parameters' gradients. An MoE model's experts are gathered over the expert
+    tensor-parallel group, then over the expert-parallel group, so every rank gets every expert (in
+    expert-parallel rank order after each local expert). Call on every rank of the TP group (and, with
+    experts split over ranks, of the expert-model-parallel group), consuming it to the end."""
     group = group or parallel_state.get_tensor_model_parallel_group()
-    tp = dist.get_world_size(group)
     local = _mcore_state(model)
     rules = family.table(hf_config, variant)
+    ep = plan.ep_size
+    has_experts = any(rule.per_expert for rule in rules)
+    expert_tp_group = parallel_state.get_expert_tensor_parallel_group(check_initialized=False) if has_experts else None
+    expert_tp_group = expert_tp_group or group
+    ep_group = parallel_state.get_expert_model_parallel_group() if ep > 1 else None
 
-    def shards(name, rule):
-        mine = (local[name].grad if grads else local[name]).detach().contiguous()
-        if tp == 1 or rule.tp_dim is None:
-            return [mine]
-        parts = [torch.empty_like(mine) for _ in range(tp)]
-        dist.all_gather(parts, mine, group=group)
+    def tensor(name):
+        return (local[name].grad if grads else local[name]).detach().contiguous()
+
+    def gather(mine, g):
+        parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(g))]
+        dist.all_gather(parts, mine, group=g)
         return parts
 
-    return mcore_to_hf(shards, rules, dims, plan)
+    def shards(name, rule):
+        g = expert_tp_group if rule.per_expert else group
+        mine = tensor(name)
+        if dist.get_world_size(g) == 1 or rule.tp_dim is None:
+            return [mine]
+        return gather(mine, g)
+
+    if ep == 1:
+        yield from mcore_to_hf(shards, rules, dims, plan)
+        return
+    others = [list(expand(rules, plan.of_expert_rank(r))) for r in range(ep)]
+    for k, (rule, hf_names, mcore_name) in enumerate(expand(rules, plan)):
+        if rule.stage == "tied_output":
+            continue
+        full = unshard(shards(mcore_name, rule), rule)
+        per_rank = gather(full.contiguous(), ep_group) if rule.per_expert else [full]
+        for r, t in enumerate(per_rank):
+            names = others[r][k][1] if rule.per_expert else hf_names
+            yield from zip(names, TRANSFORMS[rule.transform].to_hf(t, dims))
 
 
 def gather_hf_state_dict(model, family, hf_config, plan, dims, *, variant, grads=False, group=None) -> Dict[str, torch.Tensor]:
@@ -135,25 +166,34 @@ def gather_hf_state_dict(model, family, hf_config, plan, dims, *, variant, grads
 
 
 def hf_tensor_headers(family: ModelFamily, hf_config, plan: StagePlan, dims: Dims, variant: str, tp: int,
-                      local: Dict[str, torch.Tensor]) -> list:
+                      local: Dict[str, torch.Tensor], expert_tp: Optional[int] = None) -> list:
     """[(HF name, shape, dtype)] of what `iter_hf_tensors` yields for this stage, in order, without
-    gathering anything (the transforms run on meta tensors)."""
+    gathering anything (the transforms run on meta tensors). `expert_tp`: the expert tensor-parallel size
+    (default: megatron-core's, once its groups exist, else `tp`)."""
+    if expert_tp is None:
+        initialized = parallel_state.get_expert_tensor_parallel_group(check_initialized=False) is not None
+        expert_tp = parallel_state.get_expert_tensor_parallel_world_size() if initialized else tp
+    rules = family.table(hf_config, variant)
+    others = [list(expand(rules, plan.of_expert_rank(r))) for r in range(plan.ep_size)]
     out = []
-    for rule, hf_names, mcore_name in expand(family.table(hf_config, variant), plan):
+    for k, (rule, hf_names, mcore_name) in enumerate(expand(rules, plan)):
         if rule.stage == "tied_output":
             continue
         shape = list(local[mcore_name].shape)
         if rule.tp_dim is not None:
-            shape[rule.tp_dim] *= tp
+            shape[rule.tp_dim] *= expert_tp if rule.per_expert else tp
         full = torch.empty(shape, dtype=local[mcore_name].dtype, device="meta")
-        for name, t in zip(hf_names, TRANSFORMS[rule.transform].to_hf(full, dims)):
-            out.append((name, tuple(t.shape), t.dtype))
+        for names in ([o[k][1] for o in others] if rule.per_expert else [hf_names]):
+            for name, t in zip(names, TRANSFORMS[rule.transform].to_hf(full, dims)):
+                out.append((name, tuple(t.shape), t.dtype))
     return out
 
 
 def mcore_to_hf_sources(family: ModelFamily, hf_config, plan: StagePlan, variant: str) -> Dict[str, tuple]:
     """Megatron parameter name -> the HF parameters it is made from (q, k and v for a fused QKV), named
-    as in the HF model the user passed (base models without `family.base_prefix`)."""
+    as in the HF model the user passed (base models without `family.base_prefix`; a live transformers-5 MoE
+    model's stacked expert parameters, `family.live_name`)."""
     rules = family.table(hf_config, variant)
     strip = len(family.prefix(variant))
-    return {mcore_name: tuple(n[strip:] for n in hf_names) for _, hf_names, mcore_name in expand(rules, plan)}
+    return {mcore_name: tuple(dict.fromkeys(family.live_name(n)[strip:] for n in hf_names))
+            for _, hf_names, mcore_name in expand(rules, plan)}

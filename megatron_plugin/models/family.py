@@ -9,6 +9,7 @@ variant; a base model's names lack `base_prefix`.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -58,6 +59,15 @@ class ModelFamily:
     base_variants: Tuple[str, ...] = ("base",)
     # why pipeline parallelism is refused for this family, or None when it is supported
     pipeline_note: Optional[str] = None
+    # why sequence parallelism is refused for this family, or None when it is supported
+    sequence_parallel_note: Optional[str] = None
+    # routed experts per MoE layer (0: a dense model); the mapping's `{e}` rules expand over them
+    num_experts: Callable[[Any], int] = lambda c: 0
+    # (regex, replacement) from the mapping table's HF names (checkpoint names, as `save_pretrained` writes
+    # them and the Hub holds them) to the live transformers model's parameter names, where they differ
+    # (transformers 5 stacks an MoE layer's experts into one tensor): parameter groups and requires_grad
+    # are looked up by the live names
+    live_names: Tuple[Tuple[str, str], ...] = ()
 
     def table(self, hf_config, variant: str) -> List[Rule]:
         """The mapping table for this config (tied or not) and variant."""
@@ -77,9 +87,21 @@ class ModelFamily:
     def num_layers(self, hf_config) -> int:
         return self.transformer_config(hf_config)["num_layers"]
 
+    def whole_plan(self, hf_config) -> StagePlan:
+        """One stage holding every layer and every expert."""
+        whole = StagePlan.single(self.num_layers(hf_config))
+        experts = self.num_experts(hf_config)
+        return whole.with_experts(experts) if experts else whole
+
+    def live_name(self, name: str) -> str:
+        """The live HF model's parameter that holds the table's (checkpoint) tensor `name`."""
+        for pattern, repl in self.live_names:
+            name = re.sub(pattern, repl, name)
+        return name
+
     def mapped_hf_names(self, hf_config, variant: str) -> set:
         """Every HF tensor name the table reads, over the whole model."""
-        whole = StagePlan.single(self.num_layers(hf_config))
+        whole = self.whole_plan(hf_config)
         return {n for _, names, _ in expand(self.table(hf_config, variant), whole) for n in names}
 
     def dims(self, hf_config, padded_vocab: int) -> Dims:

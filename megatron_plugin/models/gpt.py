@@ -8,18 +8,18 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 from megatron.core.models.gpt import GPTModel
-from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from ..errors import MegatronPluginConfigError
 from .common import HFParityMixin, use_our_output_layer
 from ..layers.embedding import use_our_word_embeddings
 from ..layers.masks import add_window
+from ..layers.sp_comm import gather_first_dim
 from ..layers.rope import RotaryEmbedding
 from .. import patches
-from ..quiet import QUIET_CONFIG, quiet
+from ..quiet import QUIET_BUILD_LOGS, QUIET_CONFIG, quiet, quiet_logs
 from ..plugin import MegatronLMPlugin
-from ..layers.spec import block_spec
+from ..layers.spec import block_spec, dense_mlp_spec, moe_mlp_spec
 from .family import ModelFamily
 from .fields import config_fields
 from .gpt2 import gelu_tanh
@@ -64,7 +64,9 @@ class MegatronGPT(HFParityMixin, GPTModel):
             hidden_states = hidden_states[-1:]
         if self.post_process and not self.lm_head:
             if self.config.sequence_parallel:
-                hidden_states = gather_from_sequence_parallel_region(hidden_states, tensor_parallel_output_grad=False)
+                # every TP rank returns the whole sequence; the caller's loss on it is the same on every rank,
+                # so each keeps its own rows of the gradient (mcore's tensor_parallel_output_grad=False)
+                hidden_states = gather_first_dim(hidden_states, self.pg_collection.tp, tensor_parallel_output_grad=False)
             return hidden_states.transpose(0, 1).contiguous()
         return super()._postprocess(hidden_states, **kwargs)
 
@@ -97,7 +99,10 @@ def transformer_config_overrides(other_megatron_args: dict, architecture: Option
 
 
 # architecture fields a user may change without changing the weights' shapes
-TUNABLE = {"hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon"}
+TUNABLE = {"hidden_dropout", "attention_dropout", "init_method_std", "layernorm_epsilon",
+           # MoE: the losses added to the LM loss, and token dropping (capacity), change no shape
+           "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_token_drop_policy",
+           "moe_pad_expert_input_to_capacity"}
 
 
 def build_transformer_config(
@@ -135,6 +140,10 @@ def build_transformer_config(
         pipeline_dtype=params_dtype,
         virtual_pipeline_model_parallel_size=plugin.virtual_pipeline_stages(fields["num_layers"]),
     )
+    if fields.get("num_moe_experts"):
+        fields.update(expert_model_parallel_size=plugin.expert_model_parallel_size,
+                      # None: megatron-core's default, the tensor-parallel size
+                      expert_tensor_parallel_size=plugin.expert_tensor_parallel_size)
     if on_gpu and plugin.fused_kernels:
         if fields["activation_func"] is gelu_tanh and fields["add_bias_linear"]:
             # mcore's fused bias-GELU computes the tanh approximation, which is what gelu_tanh is;
@@ -148,6 +157,18 @@ def build_transformer_config(
     fields.update(overrides or {})
     with quiet(QUIET_CONFIG):
         return TransformerConfig(**fields)
+
+
+def mlp_specs(config: TransformerConfig, plan: StagePlan):
+    """The MLP spec of each of the stage's layers: None (the dense MLP) for a dense model, else per layer
+    the MoE layer or the dense MLP, as `moe_layer_freq` (one 0/1 per global layer) says."""
+    if not config.num_moe_experts:
+        return None
+    pattern = config.moe_layer_freq
+    if isinstance(pattern, int):
+        pattern = [int(i % pattern == 0) for i in range(config.num_layers)]
+    moe = moe_mlp_spec(config)
+    return [moe if pattern[plan.layer_offset + j] else dense_mlp_spec() for j in range(plan.num_layers)]
 
 
 def build_model(
@@ -164,9 +185,14 @@ def build_model(
     lm_head = variant == "lm"
     tied = family.tied_embeddings(hf_config) or not lm_head
     device = "cpu" if config.use_cpu_initialization else torch.cuda.current_device()
+    with quiet_logs(QUIET_BUILD_LOGS):
+        return _megatron_gpt(family, hf_config, config, plugin, plan, lm_head, tied, backend, vp_stage, device)
+
+
+def _megatron_gpt(family, hf_config, config, plugin, plan, lm_head, tied, backend, vp_stage, device) -> MegatronGPT:
     return MegatronGPT(
         config=config,
-        transformer_layer_spec=block_spec(config, plan.num_layers, backend),
+        transformer_layer_spec=block_spec(config, plan.num_layers, backend, mlp=mlp_specs(config, plan)),
         vocab_size=padded_vocab_size(hf_config.vocab_size, plugin.make_vocab_size_divisible_by, plugin.tp_degree),
         max_sequence_length=family.max_positions(hf_config),
         pre_process=plan.first,

@@ -27,6 +27,12 @@ TRAITS = {
                   classes=("Qwen2ForCausalLM", "Qwen2Model")),
     "qwen3": dict(qkv_bias=lambda c: getattr(c, "attention_bias", False), o_bias=lambda c: getattr(c, "attention_bias", False),
                   mlp_bias=lambda c: False, qk_norm=True, classes=("Qwen3ForCausalLM", "Qwen3Model")),
+    # the MoE families (models/moe.py) share this decoder's attention
+    "mixtral": dict(qkv_bias=lambda c: False, o_bias=lambda c: False, mlp_bias=lambda c: False, qk_norm=False),
+    "qwen2_moe": dict(qkv_bias=lambda c: bool(getattr(c, "qkv_bias", True)), o_bias=lambda c: False,
+                      mlp_bias=lambda c: False, qk_norm=False),
+    "qwen3_moe": dict(qkv_bias=lambda c: getattr(c, "attention_bias", False),
+                      o_bias=lambda c: getattr(c, "attention_bias", False), mlp_bias=lambda c: False, qk_norm=True),
 }
 
 
@@ -143,25 +149,28 @@ def rules(c, tied: bool, variant: str) -> list:
     return table
 
 
-def _family(model_type: str) -> ModelFamily:
-    lm_class, base_class = TRAITS[model_type]["classes"]
-    return ModelFamily(
-        name=model_type,
-        model_types=(model_type,),
-        transformer_config=transformer_config,
+def decoder_family(model_type: str, classes, **fields) -> ModelFamily:
+    """A family of this decoder (rotary positions, untied-by-default embeddings, `model.` base prefix);
+    `fields` replace or add ModelFamily fields (the MoE families' config, table and experts, models/moe.py)."""
+    lm_class, base_class = classes
+    return ModelFamily(**{
+        "name": model_type,
+        "model_types": (model_type,),
+        "transformer_config": transformer_config,
         # positions are rotary angles computed per token by the model (layers/rope.py), not an embedding
-        model_kwargs=lambda c: dict(position_embedding_type="none"),
-        rules=rules,
-        base_prefix="model.",
-        classes={"lm": lm_class, "base": base_class},
-        max_positions=lambda c: c.max_position_embeddings,
-        tied_embeddings=lambda c: bool(getattr(c, "tie_word_embeddings", False)),
-        tied_aliases=lambda c, v: {"lm_head.weight": "model.embed_tokens.weight"}
+        "model_kwargs": lambda c: dict(position_embedding_type="none"),
+        "rules": rules,
+        "base_prefix": "model.",
+        "classes": {"lm": lm_class, "base": base_class},
+        "max_positions": lambda c: c.max_position_embeddings,
+        "tied_embeddings": lambda c: bool(getattr(c, "tie_word_embeddings", False)),
+        "tied_aliases": lambda c, v: {"lm_head.weight": "model.embed_tokens.weight"}
         if v == "lm" and getattr(c, "tie_word_embeddings", False) else {},
-        rotary=True,
-        sliding_window=sliding_window,
-        inputs=causal_lm_inputs,
-    )
+        "rotary": True,
+        "sliding_window": sliding_window,
+        "inputs": causal_lm_inputs,
+        **fields,
+    })
 
 
-LLAMA, MISTRAL, QWEN2, QWEN3 = (_family(t) for t in ("llama", "mistral", "qwen2", "qwen3"))
+LLAMA, MISTRAL, QWEN2, QWEN3 = (decoder_family(t, TRAITS[t]["classes"]) for t in ("llama", "mistral", "qwen2", "qwen3"))

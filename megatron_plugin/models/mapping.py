@@ -196,6 +196,9 @@ class Rule:
     or 'whole' (a model that is not split over pipeline stages: T5).
     `tp_interleave`: the tensor is a concatenation of this many equal parts, each split over TP on its
     own (Megatron's fused gate/up fc1 of a gated MLP).
+    `layers`: the global layer indices a 'layer' rule applies to (None: every layer), for models whose
+    layers differ (an MoE model's dense layers). A rule with `{e}` is split over the EXPERT tensor-parallel
+    ranks (Megatron-Core's `expert_tensor_parallel_size`), every other over the tensor-parallel ranks.
     """
 
     hf: Tuple[str, ...]
@@ -204,10 +207,13 @@ class Rule:
     tp_dim: Optional[int] = None
     stage: str = "layer"
     tp_interleave: int = 1
+    layers: Optional[Tuple[int, ...]] = None
 
     def __post_init__(self):
         if isinstance(self.hf, str):
             object.__setattr__(self, "hf", (self.hf,))
+        if self.layers is not None:
+            object.__setattr__(self, "layers", tuple(self.layers))
         if self.transform not in TRANSFORMS:
             raise KeyError(f"unknown transform {self.transform!r}")
         if self.stage not in ("layer", "first", "last", "tied_output", "whole"):
@@ -269,6 +275,16 @@ class StagePlan:
         per = num_experts // ep_size
         return dataclasses.replace(self, num_experts=num_experts, expert_offset=ep_rank * per, num_local_experts=per)
 
+    @property
+    def ep_size(self) -> int:
+        """How many expert-parallel ranks share the experts (1 without experts)."""
+        return self.num_experts // self.num_local_experts if self.num_local_experts else 1
+
+    def of_expert_rank(self, ep_rank: int) -> "StagePlan":
+        """The same stage as expert-parallel rank `ep_rank` holds it: its `expand` yields the same tensors
+        in the same order, named for that rank's experts (gathering experts names them through it)."""
+        return dataclasses.replace(self, expert_offset=ep_rank * self.num_local_experts)
+
     def experts(self, rule: Rule) -> List[Tuple[Optional[int], Optional[int]]]:
         """(HF global, Megatron local) expert index pairs a rule expands over: one (None, None) for a rule
         without `{e}`, so that the names format as they always did."""
@@ -285,6 +301,8 @@ def expand(rules: Iterable[Rule], plan: StagePlan) -> Iterator[Tuple[Rule, Tuple
         if rule.stage == "layer":
             for local in range(plan.num_layers):
                 i = plan.layer_offset + local
+                if rule.layers is not None and i not in rule.layers:
+                    continue
                 for e, local_e in plan.experts(rule):
                     yield rule, tuple(n.format(i=i, e=e) for n in rule.hf), rule.mcore.format(i=local, e=local_e)
         elif (

@@ -20,6 +20,35 @@ from .gpt import build_model, build_transformer_config
 from .mapping import StagePlan, TensorSlice, expand
 from ..plugin import MegatronLMPlugin
 from ..layers.spec import default_backend
+from ..layers.moe import padding_mask_from_hf
+from .moe_names import checkpoint_state_dict
+
+
+def expert_plan(family, hf_config, plan: StagePlan) -> StagePlan:
+    """`plan` with this expert-parallel rank's experts, for an MoE family (megatron-core's expert groups)."""
+    experts = family.num_experts(hf_config)
+    if not experts:
+        return plan
+    return plan.with_experts(experts, parallel_state.get_expert_model_parallel_world_size(),
+                             parallel_state.get_expert_model_parallel_rank())
+
+
+def experts_laid_apart(plan: StagePlan) -> bool:
+    """Whether this MoE model's experts are grouped otherwise than its dense layers: split over
+    expert-parallel ranks, or over an expert tensor-parallel size other than tp_degree. Their expert-data-
+    parallel group then differs from the data-parallel one (megatron-core's expert RankGenerator)."""
+    if not plan.num_experts:
+        return False
+    return plan.ep_size > 1 or (parallel_state.get_expert_tensor_parallel_world_size()
+                                != parallel_state.get_tensor_model_parallel_world_size())
+
+
+def hf_state_dict_of(hf_model: torch.nn.Module) -> Dict[str, torch.Tensor]:
+    """A live HF model's state dict under the names the mapping tables use (its checkpoints'): an MoE
+    model's stacked experts apart (models/moe_names.py)."""
+    if get_family(hf_model.config).num_experts(hf_model.config):
+        return checkpoint_state_dict(hf_model)
+    return hf_model.state_dict()
 
 
 class MegatronModel(torch.nn.Module):
@@ -44,8 +73,9 @@ class MegatronModel(torch.nn.Module):
         else:  # the stages' layers as prepare lays them out (the provider's config is the user's)
             num_layers = self.family.num_layers(hf_config)
             vp_size = plugin.virtual_pipeline_stages(num_layers) or 1
-        self.plan = StagePlan.for_rank(num_layers, layout.pp_size, layout.pp_rank, vp_stage or 0, vp_size,
-                                       last_stage_layers=plugin.decoder_last_pipeline_num_layers)
+        self.plan = expert_plan(self.family, hf_config, StagePlan.for_rank(
+            num_layers, layout.pp_size, layout.pp_rank, vp_stage or 0, vp_size,
+            last_stage_layers=plugin.decoder_last_pipeline_num_layers))
         self.dims = model_dims(self.family, hf_config, plugin.make_vocab_size_divisible_by, layout.tp_size)
         self.backend = default_backend(layout.device.type, backend)
         self.provided = module is not None
@@ -94,11 +124,17 @@ class MegatronModel(torch.nn.Module):
         the mapping table, which knows which tensors are split and along which dimension."""
         params = dict(self.module.named_parameters())
         rules = self.family.table(self.hf_config, self.variant)
+        experts_apart = experts_laid_apart(self.plan)
         for rule, _, name in expand(rules, self.plan):
             if name in params:
                 params[name].tensor_model_parallel = rule.tp_dim is not None
                 params[name].partition_dim = rule.tp_dim if rule.tp_dim is not None else -1
                 params[name].partition_stride = 1
+                if rule.per_expert and experts_apart:
+                    # megatron-core's convention: experts laid out apart from the dense layers (split over
+                    # expert-parallel ranks, or over another tensor-parallel size) are reduced over the
+                    # expert-data-parallel group, not the data-parallel one
+                    params[name].allreduce = False
 
     @property
     def lm_head(self) -> bool:
@@ -109,7 +145,7 @@ class MegatronModel(torch.nn.Module):
     def from_hf(cls, hf_model: torch.nn.Module, plugin: MegatronLMPlugin, **kwargs) -> "MegatronModel":
         variant = get_family(hf_model.config).variant_of(hf_model)
         model = cls(hf_model.config, plugin, variant=variant, **kwargs)
-        model.load_hf_state_dict(hf_model.state_dict())
+        model.load_hf_state_dict(hf_state_dict_of(hf_model))
         return model
 
     @classmethod
@@ -161,7 +197,7 @@ class MegatronModel(torch.nn.Module):
         config = build_transformer_config(family, hf_model.config, plugin, params_dtype=params_dtype,
                                           device_type=layout.device.type)
         vp = config.virtual_pipeline_model_parallel_size
-        state = hf_model.state_dict() if reader is None else None
+        state = hf_state_dict_of(hf_model) if reader is None else None
         variant = family.variant_of(hf_model)
         chunks = []
         for vp_stage in range(vp or 1):
@@ -185,11 +221,15 @@ class MegatronModel(torch.nn.Module):
             self.module, get_slice, hf_names, self.family, self.hf_config, self.plan, self.dims,
             extra_tensors=extra_tensors, variant=self.variant, tp_size=parallel_state.get_tensor_model_parallel_world_size(),
             tp_rank=parallel_state.get_tensor_model_parallel_rank(),
+            etp_size=parallel_state.get_expert_tensor_parallel_world_size(),
+            etp_rank=parallel_state.get_expert_tensor_parallel_rank(),
         )
 
     def hf_state_dict(self, grads: bool = False) -> Dict[str, torch.Tensor]:
         """This pipeline stage's weights (or their gradients) as full HF tensors, named as in the HF
-        model we came from. Collective over the TP group."""
+        model we came from (an MoE model's as its checkpoints name them, one tensor per expert, every
+        expert: `moe_names.live_state_dict` stacks them as a live model holds them). Collective over the TP
+        group, and over the expert-parallel group when experts are split."""
         self.check_maps_to_hf("hf_state_dict")
         out = gather_hf_state_dict(
             self.module, self.family, self.hf_config, self.plan, self.dims, variant=self.variant, grads=grads
@@ -208,10 +248,13 @@ class MegatronModel(torch.nn.Module):
         shifted, -100 = ignore) returns per-token losses [b, s]; else logits gathered over TP and cut to
         the true vocabulary (or hidden states for a base model)."""
         inputs = causal_lm_inputs(input_ids, attention_mask, position_ids)
+        # MoE layers route padded tokens (as HF does) but leave them out of their load statistics
+        mask = None if attention_mask is None else attention_mask[:, -input_ids.shape[1]:]
+        extra = {"padding_mask": padding_mask_from_hf(mask)} if self.family.num_experts(self.hf_config) else {}
         if labels is not None:
             safe = labels.masked_fill(labels < 0, 0)
-            return self.module(*inputs, labels=safe)
-        out = self.module(*inputs)
+            return self.module(*inputs, labels=safe, **extra)
+        out = self.module(*inputs, **extra)
         if self.plan.last and self.lm_head:
             out = gather_tensor_parallel_last_dim(out)[..., : self.hf_config.vocab_size]
         return out

@@ -3,6 +3,7 @@
     <dir>/latest                         name of the complete checkpoint below (replaced atomically)
     <dir>/iter_0000010/meta.json         layout, iteration, model config, checksums (written last)
     <dir>/iter_0000010/model/tp00_pp000.safetensors
+    <dir>/iter_0000010/model/experts_etp00_ep000_pp000.safetensors   (MoE models: the routed experts)
     <dir>/iter_0000010/optimizer/tp00_pp000_dp000.pt
     <dir>/iter_0000010/scheduler.pt
     <dir>/iter_0000010/rng/rank00000.pt
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from typing import Optional
 
 import torch
@@ -36,8 +38,37 @@ def shard_name(tp_rank: int, pp_rank: int) -> str:
 
 
 def model_file(ckpt_dir: str, tp_rank: int, pp_rank: int) -> str:
-    """One model-parallel rank's weights inside a checkpoint folder."""
+    """One model-parallel rank's weights inside a checkpoint folder (an MoE model's routed experts apart)."""
     return os.path.join(ckpt_dir, "model", f"{shard_name(tp_rank, pp_rank)}.safetensors")
+
+
+# A routed expert's tensors in a module's state dict (megatron-core's SequentialMLP names).
+_EXPERT = re.compile(r"(^|\.)experts\.local_experts\.(\d+)\.")
+
+
+def is_expert_key(name: str) -> bool:
+    """Whether `name` (a state-dict or model-file name) is a routed expert's tensor. Experts are split over
+    expert-parallel ranks and over the expert tensor-parallel group, which need not be the dense one, so
+    they live in files of their own (`expert_file`)."""
+    return _EXPERT.search(name) is not None
+
+
+def expert_shard_name(etp_rank: int, ep_rank: int, pp_rank: int) -> str:
+    """The stem of the routed experts' file of one (expert TP, expert-parallel, pipeline) rank. Tensor names
+    inside use the local expert index; the file's `ep` rank and meta.json's `ep` size give the global one."""
+    return f"experts_etp{etp_rank:02d}_ep{ep_rank:03d}_pp{pp_rank:03d}"
+
+
+def expert_file(ckpt_dir: str, etp_rank: int, ep_rank: int, pp_rank: int) -> str:
+    return os.path.join(ckpt_dir, "model", f"{expert_shard_name(etp_rank, ep_rank, pp_rank)}.safetensors")
+
+
+def expert_sizes(meta: dict):
+    """(expert-parallel size, expert tensor-parallel size) a checkpoint was saved with, or None for a model
+    without routed experts (whose files are the tp/pp ones only)."""
+    if meta.get("ep") is None:
+        return None
+    return int(meta["ep"]), int(meta.get("etp") or meta["tp"])
 
 
 def optimizer_file(stem: str, part: str) -> str:
@@ -59,12 +90,15 @@ def chunk_key(chunk: int, num_chunks: int, name: str) -> str:
 
 
 def checkpoint_meta(*, iteration, tp, pp, dp, vpp, distributed_optimizer, model_only, family, variant,
-                    make_vocab_size_divisible_by, hf_config) -> dict:
-    """meta.json, the same keys for checkpoints of runs and of checkpoint_utils."""
+                    make_vocab_size_divisible_by, hf_config, ep=None, etp=None) -> dict:
+    """meta.json, the same keys for checkpoints of runs and of checkpoint_utils. `ep` / `etp` (expert-parallel
+    and expert tensor-parallel sizes) only for a model with routed experts, which then has expert files."""
+    experts = {} if ep is None else {"ep": ep, "etp": etp or tp}
     return {
         "format": FORMAT, "iteration": iteration, "tp": tp, "pp": pp, "dp": dp, "world_size": tp * pp * dp,
         "vpp": vpp, "distributed_optimizer": distributed_optimizer, "model_only": model_only, "family": family,
         "variant": variant, "lm_head": variant != "base", "make_vocab_size_divisible_by": make_vocab_size_divisible_by, "hf_config": hf_config,
+        **experts,
     }
 
 

@@ -4,7 +4,7 @@
     <dir>/iter_0000005/                         one checkpoint (a converted one: <dir>/release/)
         torch_dist:  metadata.json, common.pt, .metadata, __<r>_<i>.distcp   (megatron-core dist_checkpointing)
                      megatron_plugin_checksums.json: ours, written last (size and CRC-32 of every file)
-        legacy torch: mp_rank_<TT>[_<PPP>]/model_optim_rng.pt
+        legacy torch: mp_rank_<TT>[_<PPP>][_<EEE>]/model_optim_rng.pt   (_EEE: expert-parallel rank, EP > 1)
 
 Writers (save_state, checkpoint_utils) and readers (load_state) name files through here, and a save
 stages into `<dir>/.iter_0000005.partial` first. Nothing here runs a collective or imports torch models:
@@ -73,24 +73,38 @@ def read_tracker(save_dir: str) -> Optional[str]:
     return text
 
 
-def legacy_dirs(ckpt: str) -> Dict[Tuple[int, int], str]:
-    """{(tp rank, pp rank): folder} of a legacy (torch) checkpoint; empty when it is none. Expert-parallel
-    folders (a third number) are refused: their layout is not read here."""
+def legacy_dirs(ckpt: str, pipeline: Optional[bool] = None, expert: Optional[bool] = None) -> Dict[Tuple[int, int, int], str]:
+    """{(tp rank, pp rank, ep rank): folder} of a legacy (torch) checkpoint; empty when it is none. Megatron-LM
+    names a rank's folder mp_rank_TT, adds _PPP with pipeline stages and then _EEE with expert-parallel ranks,
+    so two numbers are either: `pipeline` / `expert` (whether the checkpoint's args have PP > 1 / EP > 1)
+    decide; unknown, the second number is the pipeline stage."""
     out = {}
     for name in os.listdir(ckpt) if os.path.isdir(ckpt) else ():
         m = _LEGACY_DIR.match(name)
         if m and os.path.isdir(os.path.join(ckpt, name)):
-            if m.group(3) is not None:
-                raise MegatronPluginConfigError(
-                    "load_state", os.path.join(ckpt, name),
-                    "a legacy checkpoint with expert-parallel folders: convert it to torch_dist with Megatron-LM first")
-            out[(int(m.group(1)), int(m.group(2) or 0))] = os.path.join(ckpt, name)
+            t, second, third = int(m.group(1)), m.group(2), m.group(3)
+            if third is not None:
+                p, e = int(second), int(third)
+            elif second is not None and expert and not pipeline:
+                p, e = 0, int(second)
+            else:
+                p, e = int(second or 0), 0
+            out[(t, p, e)] = os.path.join(ckpt, name)
     return out
 
 
-def legacy_file(ckpt: str, tp_rank: int, pp_rank: int, pp_size: int) -> str:
-    """mp_rank_TT/model_optim_rng.pt (no pipeline) or mp_rank_TT_PPP/model_optim_rng.pt."""
+def first_legacy_file(ckpt: str) -> Optional[str]:
+    """The file of rank 0 (mp_rank_00, mp_rank_00_000 or mp_rank_00_000_000), whatever the layout: its args say
+    how the other folders' numbers read."""
+    names = sorted(n for n in os.listdir(ckpt) if _LEGACY_DIR.match(n) and set(n[len("mp_rank_"):]) <= set("0_"))
+    return os.path.join(ckpt, names[0], LEGACY_FILE) if names else None
+
+
+def legacy_file(ckpt: str, tp_rank: int, pp_rank: int, pp_size: int, ep_rank: int = 0, ep_size: int = 1) -> str:
+    """mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt: _PPP with pipeline stages, _EEE with expert-parallel ranks."""
     name = f"mp_rank_{tp_rank:02d}" if pp_size == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    if ep_size > 1:
+        name += f"_{ep_rank:03d}"
     return os.path.join(ckpt, name, LEGACY_FILE)
 
 

@@ -1,7 +1,9 @@
 """Reading Megatron-LM's legacy (`--ckpt-format torch`) checkpoints into this run, at any TP/PP layout.
 
     iter_NNNNNNN/mp_rank_TT/model_optim_rng.pt        (no pipeline)
-    iter_NNNNNNN/mp_rank_TT_PPP/model_optim_rng.pt    each: {'model' (or 'model0', 'model1' per virtual
+    iter_NNNNNNN/mp_rank_TT_PPP/model_optim_rng.pt
+    iter_NNNNNNN/mp_rank_TT[_PPP]_EEE/model_optim_rng.pt  (an MoE model over EP > 1 ranks: the dense tensors
+        and that expert-parallel rank's experts, under their local index)    each: {'model' (or 'model0', 'model1' per virtual
         stage): that rank's mcore state dict, 'args', 'iteration', 'checkpoint_version', 'optimizer',
         'opt_param_scheduler', 'rng_state', ...}
 
@@ -31,7 +33,8 @@ from ...errors import MegatronPluginConfigError
 from ...models.convert import model_dims
 from ...models.mapping import TRANSFORMS, StagePlan, TensorSlice, expand, unshard
 from .collective import agree
-from .megatron_lm_layout import legacy_dirs, legacy_file
+from ..hf_io import with_experts
+from .megatron_lm_layout import first_legacy_file, legacy_dirs, legacy_file
 from .megatron_lm_state import another_model, args_differences, model_key
 from .state import TrainingState
 
@@ -91,18 +94,28 @@ class LegacyReader:
                 "load_state", ckpt, f"{len(state.custom_objects)} objects are registered with register_for_checkpointing, "
                 "but a legacy checkpoint of Megatron-LM holds none: load it without them")
         self.ckpt = ckpt
-        dirs = legacy_dirs(ckpt)
-        self.tp = 1 + max(t for t, _ in dirs)
-        self.pp = 1 + max(p for _, p in dirs)
         self.renames = _legacy_names(state)
-        self._stage: Tuple[int, List[dict]] = (-1, [])
-        self.first = self._read(0, 0)
+        self._stage: Tuple[tuple, List[dict]] = ((), [])
+        first = first_legacy_file(ckpt)
+        if first is None:
+            raise MegatronPluginConfigError("load_state", ckpt, "the checkpoint lacks rank 0's mp_rank_00* folder: it is incomplete")
+        self.first = self._read_path(first)
         args = self.first.get("args")
+        # two numbers in a folder name are the pipeline stage or the expert-parallel rank: the args say which
+        dirs = legacy_dirs(ckpt, pipeline=(getattr(args, "pipeline_model_parallel_size", None) or 1) > 1,
+                           expert=(getattr(args, "expert_model_parallel_size", None) or 1) > 1)
+        self.tp, self.pp, self.ep = (1 + max(r[i] for r in dirs) for i in range(3))
         for setting, saved, mine in (("tensor_model_parallel_size", getattr(args, "tensor_model_parallel_size", self.tp), self.tp),
-                                     ("pipeline_model_parallel_size", getattr(args, "pipeline_model_parallel_size", self.pp), self.pp)):
+                                     ("pipeline_model_parallel_size", getattr(args, "pipeline_model_parallel_size", self.pp), self.pp),
+                                     ("expert_model_parallel_size", getattr(args, "expert_model_parallel_size", None) or 1, self.ep)):
             if saved != mine:
                 raise MegatronPluginConfigError(
                     "load_state", ckpt, f"its args say {setting}={saved}, but it holds the folders of {mine}: is it complete?")
+        etp = getattr(args, "expert_tensor_parallel_size", None)
+        if etp not in (None, self.tp) and getattr(args, "num_experts", None):
+            raise MegatronPluginConfigError(
+                "load_state", ckpt, f"its experts are split over expert_tensor_parallel_size={etp} ranks, but its folders "
+                f"are named by the {self.tp} tensor-parallel ranks only: convert it with Megatron-LM to torch_dist first")
         self._check_model(state, args)
         model = state.model
         self.family, self.config, self.variant = model.family, model.hf_config, model.variant
@@ -127,14 +140,21 @@ class LegacyReader:
         self._checked_stages = set()
         self._check_depth(self.first, self._file(0, 0))
         self._source: Dict[str, tuple] = {}
+        experts = self.family.num_experts(self.config)
+        if self.ep > 1 and (not experts or experts % self.ep):
+            raise MegatronPluginConfigError(
+                "load_state", ckpt, f"it holds {self.ep} expert-parallel ranks' folders, which this model's "
+                f"{experts or 'no'} experts do not split over: is it of this model?")
         for p in range(self.pp):
             for vp in range(vpp):
-                plan = StagePlan.for_rank(num_layers, self.pp, p, vp, vpp)
-                for rule, hf_names, mcore_name in expand(rules, plan):
-                    if rule.stage == "tied_output":
-                        continue
-                    for i, n in enumerate(hf_names):
-                        self._source[n] = (rule, model_key(vp, vpp), mcore_name, p, i)
+                stage = StagePlan.for_rank(num_layers, self.pp, p, vp, vpp)
+                for e in range(self.ep):  # each expert-parallel rank's file: the dense tensors and its experts
+                    plan = with_experts(self.family, self.config, stage, self.ep, e)
+                    for rule, hf_names, mcore_name in expand(rules, plan):
+                        if rule.stage == "tied_output" or (e and not rule.per_expert):
+                            continue
+                        for i, n in enumerate(hf_names):
+                            self._source[n] = (rule, model_key(vp, vpp), mcore_name, p, e if rule.per_expert else 0, i)
         self.names = list(self._source)
         self._cache: Tuple[tuple, List[torch.Tensor]] = ((), [])
 
@@ -159,11 +179,13 @@ class LegacyReader:
                         f"this model gives {self._layers_per_chunk}: legacy checkpoints are read with even stages of "
                         "this model only")
 
-    def _file(self, t: int, p: int) -> str:
-        return legacy_file(self.ckpt, t, p, self.pp)
+    def _file(self, t: int, p: int, e: int = 0) -> str:
+        return legacy_file(self.ckpt, t, p, self.pp, e, self.ep)
 
-    def _read(self, t: int, p: int) -> dict:
-        path = self._file(t, p)
+    def _read(self, t: int, p: int, e: int = 0) -> dict:
+        return self._read_path(self._file(t, p, e))
+
+    def _read_path(self, path: str) -> dict:
         if not os.path.isfile(path):
             raise MegatronPluginConfigError("load_state", path, "the checkpoint lacks this file: it is incomplete")
         try:
@@ -185,40 +207,40 @@ class LegacyReader:
                     return m.group(1) + ours + m.group(2)[len(theirs):]
         return key
 
-    def _files_of_stage(self, p: int) -> List[dict]:
-        if self._stage[0] != p:
-            self._stage = (p, [])  # one stage in memory at a time
-            self._stage = (p, [self.first if (t, p) == (0, 0) else self._read(t, p) for t in range(self.tp)])
-            if p not in self._checked_stages:
+    def _files_of_stage(self, p: int, e: int = 0) -> List[dict]:
+        if self._stage[0] != (p, e):
+            self._stage = ((p, e), [])  # one stage (of one expert-parallel rank) in memory at a time
+            self._stage = ((p, e), [self.first if (t, p, e) == (0, 0, 0) else self._read(t, p, e) for t in range(self.tp)])
+            if (p, e) not in self._checked_stages:
                 for t, saved in enumerate(self._stage[1]):
-                    self._check_depth(saved, self._file(t, p))
-                self._checked_stages.add(p)
+                    self._check_depth(saved, self._file(t, p, e))
+                self._checked_stages.add((p, e))
         return self._stage[1]
 
     def get_slice(self, name: str):
         return TensorSlice(self.get(name))
 
     def get(self, name: str) -> torch.Tensor:
-        rule, key, mcore_name, p, index = self._source[name]
-        where = (p, key, mcore_name)
+        rule, key, mcore_name, p, e, index = self._source[name]
+        where = (p, e, key, mcore_name)
         if self._cache[0] != where:  # q/k/v of one fused tensor are asked for in turn: rebuild it once
             shards = []
-            for t, saved in enumerate(self._files_of_stage(p)):
+            for t, saved in enumerate(self._files_of_stage(p, e)):
                 tensors = saved.get(key) or {}
                 if mcore_name not in tensors:
                     raise MegatronPluginConfigError(
-                        "load_state", self._file(t, p), f"its {key!r} state dict lacks {mcore_name!r}: is it of this model?")
+                        "load_state", self._file(t, p, e), f"its {key!r} state dict lacks {mcore_name!r}: is it of this model?")
                 shards.append(tensors[mcore_name])
             try:
                 self._cache = (where, TRANSFORMS[rule.transform].to_hf(unshard(shards, rule), self.dims))
             except (RuntimeError, ValueError, IndexError) as err:  # shapes of another model: every rank must hear it
                 raise MegatronPluginConfigError(
-                    "load_state", self._file(0, p), f"its {mcore_name!r} does not fit this model "
+                    "load_state", self._file(0, p, e), f"its {mcore_name!r} does not fit this model "
                     f"({type(err).__name__}: {err})") from None
         return self._cache[1][index]
 
     def release_memory(self) -> None:
-        self._stage, self._cache = (-1, []), ((), [])
+        self._stage, self._cache = ((), []), ((), [])
         self.first = {k: v for k, v in self.first.items() if not re.fullmatch(r"model\d*|optimizer", k)}
 
 

@@ -122,9 +122,10 @@ def _read_common(ckpt: str) -> dict:
 def _saved_layout(plan: _Plan) -> dict:
     entry, args = plan.entry, plan.args
     if entry:
-        return {k: entry.get(k) for k in ("tp", "pp", "dp", "world_size")}
+        return dict({k: entry.get(k) for k in ("tp", "pp", "dp", "world_size")}, ep=entry.get("ep", 1))
     return {"tp": getattr(args, "tensor_model_parallel_size", 1), "pp": getattr(args, "pipeline_model_parallel_size", 1),
-            "dp": getattr(args, "data_parallel_size", None), "world_size": getattr(args, "world_size", None)}
+            "dp": getattr(args, "data_parallel_size", None), "world_size": getattr(args, "world_size", None),
+            "ep": getattr(args, "expert_model_parallel_size", 1)}
 
 
 def _check_model(plan: _Plan, state: TrainingState) -> None:
@@ -177,6 +178,13 @@ def _decide_optimizer(plan: _Plan, state: TrainingState) -> None:
                 bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))) != (
                 bool(state.model.config.bf16), bool(state.model.config.fp16)):
             plan.why_not_optimizer = "it was saved in another precision (bf16/fp16), whose optimizer keeps other state"
+        elif not state.torch_optimizer and state.has_experts and (
+                (layout.get("ep") or 1) > 1) != (state.experts.ep_size > 1):
+            # megatron-core gives expert parameters an optimizer of their own (chained after the dense one) only
+            # when they are split over expert-parallel ranks: the saved optimizer's structure is another one
+            plan.why_not_optimizer = (f"its optimizer state was saved with expert_model_parallel_size={layout.get('ep')}, "
+                                      f"this run has {state.experts.ep_size}: megatron-core chains an optimizer of "
+                                      "the experts' own only when it is > 1")
         else:
             plan.optimizer = True
 

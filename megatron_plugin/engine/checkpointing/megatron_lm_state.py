@@ -20,6 +20,7 @@ may hold anything, are a ShardedObject (read through torch.distributed.checkpoin
 from __future__ import annotations
 
 import copy
+import re
 from argparse import Namespace
 from typing import Any, Dict, Optional, Sequence, Tuple
 
@@ -146,6 +147,14 @@ def torch_optimizer_request(state: TrainingState, model_sd: dict, saved_dtypes: 
     return {"state": request}
 
 
+def _groups_signature(groups: list) -> list:
+    """Per parameter group, its parameter names with routed experts' indices left out: each expert-parallel
+    rank names its experts by their local index, so a run of another EP holds the same groups under other
+    names (the experts' states themselves are ShardedTensors over the global expert axis)."""
+    return [list(dict.fromkeys(re.sub(r"(^|\.)local_experts\.\d+\.", r"\1local_experts.*.", n) for n in g))
+            for g in groups]
+
+
 def torch_optimizer_loaded(state: TrainingState, loaded: dict, entry: dict) -> dict:
     """The torch optimizer's state dict from what was loaded: the saved step counts and param groups with
     this run's parameter indices. A clear error when the saved groups differ from this run's."""
@@ -157,7 +166,7 @@ def torch_optimizer_loaded(state: TrainingState, loaded: dict, entry: dict) -> d
         mine_names.append(names[at:at + len(g["params"])])
         at += len(g["params"])
     groups = loaded.get("param_groups") or []
-    if len(groups) != len(mine) or (saved_names is not None and saved_names != mine_names):
+    if len(groups) != len(mine) or (saved_names is not None and _groups_signature(saved_names) != _groups_signature(mine_names)):
         raise MegatronPluginConfigError(
             "load_state", "optimizer", "the optimizer state does not fit this run's optimizer (other parameter groups "
             "or frozen parameters): load with no_load_optim=True to start the optimizer fresh")
@@ -279,6 +288,24 @@ def custom_objects_object(objects: Sequence[Any], data=None) -> ShardedObject:
 
 
 # -- common.pt -----------------------------------------------------------------------------------------
+# Megatron-LM's MoE arguments that its loaders and converters read, by TransformerConfig field (the same names)
+_MOE_FIELDS = ("moe_ffn_hidden_size", "moe_router_topk", "moe_shared_expert_intermediate_size", "moe_shared_expert_gate",
+               "moe_layer_freq", "moe_router_pre_softmax", "moe_router_score_function", "moe_aux_loss_coeff",
+               "moe_z_loss_coeff", "moe_expert_capacity_factor", "moe_token_dispatcher_type",
+               "moe_router_load_balancing_type")
+
+
+def moe_args(get, ep: int, etp: int) -> dict:
+    """The MoE part of Megatron-LM's args: `num_experts` (Megatron-LM's name of `num_moe_experts`), the
+    `moe_*` settings through `get(field)` (a TransformerConfig's or a family's fields), the expert layout;
+    `moe_grouped_gemm` False: the experts are megatron-core's SequentialMLP parameters, one tensor per expert."""
+    experts = get("num_moe_experts")
+    out = dict(num_experts=experts, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp)
+    if experts:
+        out.update({k: get(k) for k in _MOE_FIELDS}, moe_grouped_gemm=False)
+    return out
+
+
 def megatron_args(state: TrainingState, iteration: int) -> Namespace:
     """The `args` Megatron-LM saves, with the fields its readers use (load_args_from_checkpoint,
     check_checkpoint_args, NeMo/Bridge/verl converters): model shape, parallel layout, vocabulary padding,
@@ -305,12 +332,12 @@ def megatron_args(state: TrainingState, iteration: int) -> Namespace:
         normalization=c.normalization, norm_epsilon=c.layernorm_epsilon, qk_layernorm=c.qk_layernorm,
         apply_layernorm_1p=False, apply_query_key_layer_scaling=c.apply_query_key_layer_scaling,
         attention_dropout=c.attention_dropout, hidden_dropout=c.hidden_dropout,
-        num_experts=c.num_moe_experts, moe_ffn_hidden_size=c.moe_ffn_hidden_size, moe_router_topk=c.moe_router_topk,
         tensor_model_parallel_size=grid.tp_size, pipeline_model_parallel_size=grid.pp_size,
         virtual_pipeline_model_parallel_size=state.vpp,
         num_layers_per_virtual_pipeline_stage=getattr(plugin, "num_layers_per_virtual_pipeline_stage", None),
         context_parallel_size=parallel_state.get_context_parallel_world_size(),
-        expert_model_parallel_size=parallel_state.get_expert_model_parallel_world_size(),
+        **moe_args(lambda k: getattr(c, k, None), parallel_state.get_expert_model_parallel_world_size(),
+                   parallel_state.get_expert_tensor_parallel_world_size()),
         sequence_parallel=bool(c.sequence_parallel), data_parallel_size=grid.dp_size, world_size=grid.world_size,
         vocab_size=hf.vocab_size, padded_vocab_size=model.dims.padded_vocab,
         make_vocab_size_divisible_by=state.make_vocab_size_divisible_by,
@@ -329,7 +356,7 @@ def plugin_entry(state: TrainingState, optimizer_steps: Optional[dict] = None) -
     entry = dict(state.model_fields(), tp=grid.tp_size, pp=grid.pp_size, dp=grid.dp_size, vpp=state.vpp,
                  world_size=grid.world_size, engine="cpu" if state.torch_optimizer else "mcore",
                  distributed_optimizer=state.distributed_optimizer, custom_objects=len(state.custom_objects),
-                 optimizer=None)
+                 optimizer=None, ep=state.experts.ep_size, etp=state.experts.etp_size)
     if state.save_optimizer:
         entry["optimizer"] = {"steps": optimizer_steps}
         if state.torch_optimizer:
@@ -390,7 +417,7 @@ def object_shape(dcp_metadata, key: str) -> Optional[tuple]:
 
 __all__ = [
     "CHECKPOINT_VERSION", "CUSTOM_OBJECTS", "ENTRY", "RNG", "custom_objects_object", "from_megatron_rng",
-    "has_object", "megatron_args", "model_key", "model_sharded_state_dict", "object_shape", "plugin_entry",
+    "has_object", "megatron_args", "moe_args", "model_key", "model_sharded_state_dict", "object_shape", "plugin_entry",
     "rng_object", "rng_request", "save_state_dict", "sharding_metadata", "tensor_dtypes",
     "torch_optimizer_loaded", "torch_optimizer_request", "torch_optimizer_state", "without_extra_state",
 ]
@@ -402,12 +429,20 @@ def args_differences(config, args) -> list:
     num_query_groups only with --group-query-attention; without it every head is its own group."""
     mine = {"num_layers": config.num_layers, "hidden_size": config.hidden_size,
             "num_attention_heads": config.num_attention_heads, "ffn_hidden_size": config.ffn_hidden_size,
-            "num_query_groups": config.num_query_groups or config.num_attention_heads}
+            "num_query_groups": config.num_query_groups or config.num_attention_heads,
+            # Megatron-LM's `num_experts` is `num_moe_experts`; None on both sides for a dense model
+            "num_experts": getattr(config, "num_moe_experts", None)}
+    if mine["num_experts"]:
+        mine.update(moe_ffn_hidden_size=config.moe_ffn_hidden_size,
+                    moe_shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size)
     differ = []
     for name, value in mine.items():
         saved = getattr(args, name, None)
         if name == "num_query_groups" and not getattr(args, "group_query_attention", False):
             saved = getattr(args, "num_attention_heads", None)
+        if name == "num_experts" and (saved or None) != (value or None):
+            differ.append(f"num_experts: checkpoint {saved}, this model {value}")
+            continue
         if saved is not None and saved != value:
             differ.append(f"{name}: checkpoint {saved}, this model {value}")
     return differ

@@ -12,7 +12,9 @@ from safetensors.torch import load_file
 
 from ...errors import MegatronPluginConfigError
 from .collective import agree
-from .layout import SCHEDULER, custom_file, model_file, optimizer_file, rng_file, shard_name, torch_load, verify_file
+from .layout import (SCHEDULER, custom_file, expert_file, is_expert_key, model_file, optimizer_file, rng_file, torch_load,
+                     verify_file)
+from .native_save import optimizer_stem
 from .state import TrainingState
 
 
@@ -50,7 +52,7 @@ def _read(ckpt: str, meta: dict, state: TrainingState) -> dict:
     if meta.get("model_only"):
         return saved
     grid = state.layout
-    name = shard_name(grid.tp_rank, grid.pp_rank)
+    name = optimizer_stem(state)
     other_dp = meta["world_size"] != grid.world_size  # the same layout, more or fewer replicas
     # the distributed optimizer shards its state over the data-parallel ranks: only the same sharding loads
     sharded = meta["distributed_optimizer"] or state.distributed_optimizer
@@ -64,14 +66,23 @@ def _read(ckpt: str, meta: dict, state: TrainingState) -> dict:
 
 
 def _read_model(ckpt: str, meta: dict, state: TrainingState) -> dict:
-    """This rank's model file, checked to hold every tensor of this model at its shape."""
+    """This rank's model files (an MoE model's experts apart), checked to hold every tensor of this model at
+    its shape."""
     grid = state.layout
-    path = verify_file(ckpt, os.path.relpath(model_file(ckpt, grid.tp_rank, grid.pp_rank), ckpt), meta)
-    try:
-        tensors = load_file(path)
-    except Exception as err:  # safetensors raises its own error types for truncated or garbled files
-        raise MegatronPluginConfigError("load_state", path, f"cannot read this model shard ({err}): is it complete?") from None
+    files = [model_file(ckpt, grid.tp_rank, grid.pp_rank)]
+    if state.has_experts:
+        files.append(expert_file(ckpt, state.experts.etp_rank, state.experts.ep_rank, grid.pp_rank))
+    tensors, where = {}, {}
+    for file in files:
+        path = verify_file(ckpt, os.path.relpath(file, ckpt), meta)
+        try:
+            part = load_file(path)
+        except Exception as err:  # safetensors raises its own error types for truncated or garbled files
+            raise MegatronPluginConfigError("load_state", path, f"cannot read this model shard ({err}): is it complete?") from None
+        tensors.update(part)
+        where.update(dict.fromkeys(part, path))
     for key, dest in state.named_tensors():
+        path = where.get(key, files[-1] if is_expert_key(key) else files[0])
         if key not in tensors:
             raise MegatronPluginConfigError(
                 "load_state", path, f"the shard lacks tensor {key!r}: it is of another model "
@@ -109,5 +120,5 @@ def _load_optimizer(ckpt: str, meta: dict, state: TrainingState, optimizer_state
             "groups or frozen parameters?",
         ) from None
     if meta["distributed_optimizer"]:
-        name = shard_name(state.layout.tp_rank, state.layout.pp_rank)
+        name = optimizer_stem(state)
         state.optimizer.load_parameter_state(os.path.join(ckpt, optimizer_file(name, "param_state.pt")))

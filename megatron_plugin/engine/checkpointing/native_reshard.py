@@ -1,4 +1,4 @@
-"""Loading a native checkpoint saved at another TP/PP/virtual-stage layout.
+"""Loading a native checkpoint saved at another TP/PP/virtual-stage/expert-parallel layout.
 
 The weights are resharded through HF names (the converter's reader); the CPU engine's optimizer state
 too; mcore's optimizer state, whose layout follows the parallel layout, starts fresh (with a warning).
@@ -17,7 +17,7 @@ from ...models.convert import model_dims
 from ...models.mapping import TRANSFORMS, TensorSlice, expand, read_shard, unshard
 from ..hf_io import MegatronReader
 from .collective import agree
-from .layout import optimizer_file, shard_name, torch_load, verify_file
+from .layout import expert_sizes, optimizer_file, shard_name, torch_load, verify_file
 from .native_load import read_rest
 from .state import TrainingState
 
@@ -33,13 +33,17 @@ def load_resharded(ckpt: str, meta: dict, state: TrainingState) -> dict:
         if meta.get("model_only"):
             return saved
         wanted = meta.get("optimizer", True) and state.load_optimizer
-        if wanted and meta.get("engine") == "cpu" and state.torch_optimizer and meta["pp"] == 1:
+        # an MoE model's expert states are sharded over other groups: its optimizer starts fresh (torch_dist,
+        # the default format, reshards them)
+        if wanted and meta.get("engine") == "cpu" and state.torch_optimizer and meta["pp"] == 1 and not state.has_experts:
             saved["optimizer"] = _resharded_optimizer_state(ckpt, meta, state)
         return read_rest(ckpt, meta, state, saved)
 
     with torch.no_grad():
         saved = agree(read)
     layout = f"tp={meta['tp']}, pp={meta['pp']}, virtual stages={meta.get('vpp')}"
+    if expert_sizes(meta) is not None:
+        layout += ", expert_model_parallel_size={}, expert_tensor_parallel_size={}".format(*expert_sizes(meta))
     if not meta.get("model_only"):
         if "optimizer" in saved:
             state.optimizer.load_state_dict(saved["optimizer"])

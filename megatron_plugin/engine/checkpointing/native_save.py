@@ -21,8 +21,8 @@ from safetensors.torch import save_file
 from ...errors import MegatronPluginConfigError
 from ...fs import atomic_write_text, check_writable, file_checksum
 from .collective import broadcast_error, commit_on_rank0
-from .layout import (META, SCHEDULER, checkpoint_meta, custom_file, iteration_of, model_file, optimizer_file,
-                     point_latest, read_latest, rng_file, shard_name, write_meta)
+from .layout import (META, SCHEDULER, checkpoint_meta, custom_file, expert_file, iteration_of, model_file,
+                     optimizer_file, point_latest, read_latest, rng_file, shard_name, write_meta)
 from .state import TrainingState
 
 # the name this warning has always been logged under
@@ -101,12 +101,37 @@ def _write_rank_files(output_dir: str, staging: str, state: TrainingState) -> di
     return {k: v for part, _ in everyone for k, v in part.items()}
 
 
+def optimizer_stem(state: TrainingState) -> str:
+    """The stem of this rank's optimizer files. A rank's optimizer state covers its dense shards (tp, pp) and,
+    in an MoE model, its experts' (expert TP and EP rank): both are named."""
+    grid = state.layout
+    stem = shard_name(grid.tp_rank, grid.pp_rank)
+    if state.has_experts:
+        place = state.experts
+        stem += f"_etp{place.etp_rank:02d}_ep{place.ep_rank:03d}"
+    return stem
+
+
+def _writes_optimizer(state: TrainingState) -> bool:
+    """Collective. Whether this rank writes its optimizer files: the first rank of each distinct
+    optimizer state. Without routed experts that is data-parallel rank 0; with them the ranks of one
+    dense shard hold different experts' states, so the first rank of each (tp, pp, expert tp, ep)."""
+    if not state.has_experts:
+        return state.layout.dp_rank == 0
+    grid, place = state.layout, state.experts
+    mine = (grid.tp_rank, grid.pp_rank, place.etp_rank, place.ep_rank)
+    everyone = [None] * grid.world_size
+    dist.all_gather_object(everyone, mine)
+    return everyone.index(mine) == grid.rank
+
+
 def _write_files(staging: str, state: TrainingState) -> dict:
     """This rank's files; returns their {relpath: checksum}. The distributed optimizer's state is gathered
     first, a collective every rank reaches before any rank can fail on its own files."""
     grid = state.layout
-    name = shard_name(grid.tp_rank, grid.pp_rank)
+    name = optimizer_stem(state)
     written = []
+    writes_optimizer = _writes_optimizer(state)
     if state.distributed_optimizer and state.save_optimizer:
         # mcore gathers the DP-sharded optimizer state onto DP rank 0 of each model-parallel rank
         path = os.path.join(staging, optimizer_file(name, "param_state.pt"))
@@ -114,10 +139,16 @@ def _write_files(staging: str, state: TrainingState) -> dict:
         if grid.dp_rank == 0:
             written.append(path)
     if grid.dp_rank == 0:
-        tensors = {k: v.detach().contiguous().cpu() for k, v in state.named_tensors()}
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.named_tensors(experts=False)}
         save_file(tensors, model_file(staging, grid.tp_rank, grid.pp_rank))
         written.append(model_file(staging, grid.tp_rank, grid.pp_rank))
-    if grid.dp_rank == 0 and state.save_optimizer:
+    if state.has_experts and state.experts.edp_rank == 0:
+        # expert data-parallel rank 0 of each (expert TP, EP, PP) rank: every expert shard once
+        place = state.experts
+        tensors = {k: v.detach().contiguous().cpu() for k, v in state.named_tensors(experts=True)}
+        written.append(expert_file(staging, place.etp_rank, place.ep_rank, grid.pp_rank))
+        save_file(tensors, written[-1])
+    if writes_optimizer and state.save_optimizer:
         written.append(os.path.join(staging, optimizer_file(name, "dp000.pt")))
         torch.save(state.optimizer.state_dict(), written[-1])
         if state.torch_optimizer:
@@ -144,6 +175,7 @@ def _commit(output_dir: str, tag: str, state: TrainingState, files: dict) -> Non
     write_meta(os.path.join(staging, META), dict(checkpoint_meta(
         iteration=state.iteration, tp=grid.tp_size, pp=grid.pp_size, dp=grid.dp_size, vpp=state.vpp,
         distributed_optimizer=state.distributed_optimizer, model_only=False, **state.model_fields(),
+        **(dict(ep=state.experts.ep_size, etp=state.experts.etp_size) if state.has_experts else {}),
     ), files=dict(sorted(files.items())), engine="cpu" if state.torch_optimizer else "mcore",
        optimizer=state.save_optimizer))
     os.replace(staging, final)

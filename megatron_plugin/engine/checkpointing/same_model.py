@@ -32,7 +32,7 @@ _SETTINGS = (
 ) + tuple(  # the block's layout, and MoE experts where the family has them
     (k, lambda f, c, tc, k=k: tc.get(k)) for k in (
         "normalization", "gated_linear_unit", "add_bias_linear", "add_qkv_bias", "qk_layernorm",
-        "num_moe_experts", "moe_ffn_hidden_size")
+        "num_moe_experts", "moe_ffn_hidden_size", "moe_shared_expert_intermediate_size", "moe_layer_freq")
 ) + tuple(  # HF settings of a few families that shape a weight the fields above do not
     (k, lambda f, c, tc, k=k: getattr(c, k, None)) for k in (
         "num_decoder_layers", "type_vocab_size", "relative_attention_num_buckets")

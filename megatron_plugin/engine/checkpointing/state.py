@@ -15,10 +15,29 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
-from megatron.core import tensor_parallel
+from megatron.core import parallel_state, tensor_parallel
 
 from ...layout import Layout, current_layout
-from .layout import chunk_key
+from .layout import chunk_key, is_expert_key
+
+
+@dataclass(frozen=True)
+class ExpertPlace:
+    """Where this process sits in megatron-core's expert grid (expert TP x EP x expert DP x PP), which is laid
+    over the ranks apart from the dense TP x DP grid: a routed expert's shard is chosen by these ranks."""
+
+    ep_size: int
+    ep_rank: int
+    etp_size: int
+    etp_rank: int
+    edp_rank: int
+
+    @classmethod
+    def current(cls) -> "ExpertPlace":
+        ps = parallel_state
+        return cls(ep_size=ps.get_expert_model_parallel_world_size(), ep_rank=ps.get_expert_model_parallel_rank(),
+                   etp_size=ps.get_expert_tensor_parallel_world_size(), etp_rank=ps.get_expert_tensor_parallel_rank(),
+                   edp_rank=ps.get_expert_data_parallel_rank())
 
 
 @dataclass
@@ -72,13 +91,23 @@ class TrainingState:
         self.iteration = iteration
         self.on_iteration(iteration)
 
-    def named_tensors(self) -> Iterator[Tuple[str, torch.Tensor]]:
-        """(name in the model file, live tensor) for every chunk's weights: what save writes and load fills."""
+    def named_tensors(self, experts: Optional[bool] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+        """(name in the model file, live tensor) for every chunk's weights: what save writes and load fills.
+        `experts`: True for the routed experts' tensors only (their own files), False for all others."""
         n = len(self.chunks)
         for i, chunk in enumerate(self.chunks):
             for k, v in chunk.module.state_dict().items():
-                if not k.endswith("_extra_state"):
+                if not k.endswith("_extra_state") and (experts is None or experts == is_expert_key(k)):
                     yield chunk_key(i, n, k), v
+
+    @property
+    def has_experts(self) -> bool:
+        """Whether the model has routed experts (an MoE model), whose tensors the native format files apart."""
+        return bool(getattr(self.model.config, "num_moe_experts", None))
+
+    @property
+    def experts(self) -> ExpertPlace:
+        return ExpertPlace.current()
 
     def model_fields(self) -> dict:
         """What a checkpoint records about the model, in meta.json's names."""

@@ -1,0 +1,450 @@
+"""Mixture of Experts in megatron-core's MoELayer slot, on CPU (gloo) and CUDA, without TE.
+
+megatron-core 0.16.1's pieces are CUDA-bound in places: `TopKRouter.gating` moves its weight to
+`torch.cuda.current_device()`, the allgather dispatcher's collectives allocate on CUDA (and gloo has no
+reduce-scatter), and `SequentialMLP` reads the token counts back to the host. Here:
+
+- `Router`: HF's routing (softmax in fp32 over the logits, top-k, optionally renormalized), mcore's
+  capacity/dropping (`moe_expert_capacity_factor`), and the micro-batch's routing statistics
+  (`RouterStats`) from which the train step computes HF's load-balancing loss over all layers together.
+  mcore's own aux-loss machinery never runs (its losses are per layer, HF's is across layers).
+- `TokenDispatcher`: mcore's allgather dispatcher over the expert TP x EP group with device-agnostic
+  collectives; with expert-TP x EP == 1 and no capacity, a sort-based permutation that never syncs.
+- `Experts`: mcore's `SequentialMLP` parameters (`local_experts.{e}.linear_fc1/fc2`); on CUDA in bf16 the
+  experts run as two grouped GEMMs (`torch._grouped_mm`) over the stacked local weights, the weight
+  gradients going into `main_grad` under gradient_accumulation_fusion.
+- `MoELayer`: mcore's MoELayer building our dispatcher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from megatron.core import parallel_state
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer as _McoreMoELayer
+from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
+from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from .compiled_linear import define_op
+from .sp_comm import gather_first_dim, reduce_scatter_first_dim
+
+# ---------------------------------------------------------------------------------------------------
+# collectives on any device
+
+
+def _group_size(group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce whose backward is the identity: every rank then holds the same total and computes the
+    same loss from it, so each rank's local part receives that loss's gradient once (mcore's
+    `reduce_from_tensor_model_parallel_region`, without its in-place write into the input)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+@torch.compiler.disable
+def _sum_over(x: torch.Tensor, group, grad: bool) -> torch.Tensor:
+    if grad:
+        return _SumOverGroup.apply(x, group)
+    x = x.detach().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+# ---------------------------------------------------------------------------------------------------
+# router
+
+
+@dataclass
+class RouterStats:
+    """One router's statistics for one micro-batch, over its valid (non-padding) tokens, summed over the
+    TP group under sequence parallelism so that every TP rank holds the whole micro-batch's.
+
+    counts: [E] top-k selections per expert, before capacity dropping (no grad).
+    prob_sum: [E] sum of the full softmax probabilities (with grad).
+    tokens: number of valid tokens (scalar, no grad).
+    z_sum: sum of logsumexp(logits)^2 (scalar, with grad).
+    dropped: expert assignments dropped by the capacity (scalar, no grad).
+    """
+
+    counts: torch.Tensor
+    prob_sum: torch.Tensor
+    tokens: torch.Tensor
+    z_sum: torch.Tensor
+    dropped: torch.Tensor
+
+    @property
+    def dropped_fraction(self) -> torch.Tensor:
+        assignments = self.counts.sum()
+        return self.dropped / torch.clamp(assignments, min=1.0)
+
+
+class Router(MegatronModule):
+    """Top-k softmax router computing exactly what HF's Mixtral / Qwen2-MoE / Qwen3-MoE routers compute:
+    logits = x @ W^T in the input's dtype, softmax in fp32, top-k; renormalized over the top-k unless
+    `moe_router_pre_softmax` (HF `norm_topk_prob=False`). mcore's non-pre-softmax path (softmax over the
+    top-k logits) is the same function, but computed differently; this follows HF's operations.
+
+    Its parameter is mcore's `weight` [E, H], replicated over TP and marked `sequence_parallel` (like
+    mcore's router and our norms) so its gradient, computed on a sequence shard under SP, is summed over TP.
+    """
+
+    def __init__(self, config: TransformerConfig, pg_collection=None) -> None:
+        super().__init__(config)
+        if config.add_bias_linear:
+            raise NotImplementedError("the MoE router has no bias here (add_bias_linear=False, as HF's routers)")
+        if config.moe_router_score_function != "softmax":
+            raise NotImplementedError(
+                f"moe_router_score_function={config.moe_router_score_function!r}: only 'softmax' (HF's) is mapped")
+        # mcore's other routings have no HF counterpart in the mapped families; models/ refuses them by
+        # name before prepare, this is the backstop for models built by hand
+        unmapped = {"moe_router_num_groups": config.moe_router_num_groups,
+                    "moe_router_group_topk": config.moe_router_group_topk,
+                    "moe_router_enable_expert_bias": config.moe_router_enable_expert_bias,
+                    "moe_input_jitter_eps": config.moe_input_jitter_eps,
+                    "moe_router_force_load_balancing": config.moe_router_force_load_balancing,
+                    "moe_enable_routing_replay": config.moe_enable_routing_replay}
+        unmapped = {k: v for k, v in unmapped.items() if v}
+        if config.moe_router_load_balancing_type == "sinkhorn":
+            unmapped["moe_router_load_balancing_type"] = "sinkhorn"
+        if unmapped:
+            raise NotImplementedError(f"router settings without an HF counterpart: {unmapped}")
+        self.num_experts = config.num_moe_experts
+        self.topk = config.moe_router_topk
+        self.layer_number = None
+        self.tp_group = pg_collection.tp if pg_collection is not None else \
+            parallel_state.get_tensor_model_parallel_group()
+        device = None if config.use_cpu_initialization or not torch.cuda.is_available() else torch.cuda.current_device()
+        self.weight = torch.nn.Parameter(
+            torch.empty(config.num_moe_experts, config.hidden_size, dtype=torch.float32, device=device))
+        if config.perform_initialization:
+            config.init_method(self.weight)
+        self.weight.data = self.weight.data.to(dtype=config.params_dtype)
+        self.weight.sequence_parallel = config.sequence_parallel
+        self.stats: Optional[RouterStats] = None
+
+    def set_layer_number(self, layer_number: int) -> None:
+        self.layer_number = layer_number
+
+    def _logits(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = {"fp32": torch.float32, "fp64": torch.float64}.get(self.config.moe_router_dtype)
+        if dtype is None:
+            return F.linear(x, self.weight.to(x.dtype))
+        return F.linear(x.to(dtype), self.weight.to(dtype))
+
+    def forward(self, hidden: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
+        """hidden: [s, b, H] (or [T, H]); padding_mask: [s, b] bool, True = padding (mcore's meaning).
+        Returns probs [T, E] fp32 (zero off the routing map) and routing_map [T, E] bool."""
+        x = hidden.reshape(-1, hidden.shape[-1])
+        logits = self._logits(x)
+        scores = torch.softmax(logits.float(), dim=-1)
+        top_p, top_i = torch.topk(scores, self.topk, dim=-1)
+        if not self.config.moe_router_pre_softmax:
+            top_p = top_p / top_p.sum(dim=-1, keepdim=True)
+        if self.config.moe_router_topk_scaling_factor:
+            top_p = top_p * self.config.moe_router_topk_scaling_factor
+        probs = torch.zeros_like(scores).scatter(1, top_i, top_p)
+        chosen = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top_i, True)
+        routing_map = chosen
+        if self.config.moe_expert_capacity_factor is not None:
+            probs, routing_map = apply_router_token_dropping(
+                probs, chosen, router_topk=self.topk, capacity_factor=self.config.moe_expert_capacity_factor,
+                drop_policy=self.config.moe_token_drop_policy,
+                pad_to_capacity=self.config.moe_pad_expert_input_to_capacity,
+            )
+        self.stats = self._statistics(logits, scores, chosen, routing_map, padding_mask)
+        return probs, routing_map
+
+    def _statistics(self, logits, scores, chosen, routing_map, padding_mask) -> RouterStats:
+        valid = None if padding_mask is None else (~padding_mask.reshape(-1).bool()).to(scores.dtype)
+        weighted = scores if valid is None else scores * valid.unsqueeze(-1)
+        prob_sum = weighted.sum(dim=0)
+        z = torch.logsumexp(logits.float(), dim=-1).square()
+        z_sum = (z if valid is None else z * valid).sum()
+        with torch.no_grad():
+            lost = chosen & ~routing_map
+            if valid is None:
+                counts = chosen.sum(dim=0).float()
+                tokens = scores.new_full((), float(scores.shape[0]))  # a fill, not a host-to-device copy
+                dropped = lost.sum().float()
+            else:
+                counts = (chosen.float() * valid.unsqueeze(-1)).sum(dim=0)
+                tokens = valid.sum()
+                dropped = (lost.float() * valid.unsqueeze(-1)).sum()
+        if self.config.sequence_parallel and _group_size(self.tp_group) > 1:
+            e = self.num_experts
+            summed = _sum_over(torch.cat([prob_sum, z_sum.reshape(1)]), self.tp_group, grad=True)
+            prob_sum, z_sum = summed[:e], summed[e]
+            plain = _sum_over(torch.cat([counts, tokens.reshape(1), dropped.reshape(1)]), self.tp_group, grad=False)
+            counts, tokens, dropped = plain[:e], plain[e], plain[e + 1]
+        return RouterStats(counts=counts, prob_sum=prob_sum, tokens=tokens, z_sum=z_sum, dropped=dropped)
+
+
+def moe_routers(module: torch.nn.Module) -> List[Router]:
+    """This module's routers (one per MoE layer of this pipeline stage), in layer order."""
+    return [m for m in module.modules() if isinstance(m, Router)]
+
+
+def hf_load_balancing_loss(stats: List[RouterStats], num_experts: int, topk: int) -> torch.Tensor:
+    """transformers' `load_balancing_loss_func` over the router logits of all the given layers together:
+    num_experts * sum_e (sum_l counts_le / N) * (sum_l prob_sum_le / N), N = sum_l valid tokens_l (= L*T).
+    `topk` is the routers' (their counts already hold top-k selections); kept for HF's signature."""
+    del topk
+    counts = torch.stack([s.counts for s in stats]).sum(dim=0)
+    prob_sum = torch.stack([s.prob_sum for s in stats]).sum(dim=0)
+    rows = torch.stack([torch.as_tensor(s.tokens, dtype=torch.float32, device=counts.device) for s in stats]).sum()
+    rows = torch.clamp(rows, min=1.0)
+    return num_experts * torch.sum((counts / rows) * (prob_sum / rows))
+
+
+def z_loss(stats: List[RouterStats]) -> torch.Tensor:
+    """megatron-core's router z-loss without its coefficient: per layer, the mean over valid tokens of
+    logsumexp(logits)^2; summed over layers."""
+    return sum(s.z_sum / torch.clamp(s.tokens, min=1.0) for s in stats)
+
+
+def padding_mask_from_hf(attention_mask: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """mcore's MoE `padding_mask` ([b, s] bool, True = padding) from an HF attention mask (1 = token)."""
+    if attention_mask is None:
+        return None
+    return attention_mask == 0
+
+
+# ---------------------------------------------------------------------------------------------------
+# dispatcher
+
+
+class _SpreadRows(torch.autograd.Function):
+    """Token t's row copied to its k expert slots in sorted order: out[j] = x[order[j] // k]. The backward
+    gathers each slot's gradient back into token order by the inverse permutation and sums the k slots
+    (in fp32): gathers only, where index_select's own backward would scatter-add with atomics."""
+
+    @staticmethod
+    def forward(ctx, x, order, inverse, k):
+        ctx.save_for_backward(inverse)
+        ctx.k, ctx.tokens = k, x.shape[0]
+        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (inverse,) = ctx.saved_tensors
+        g = grad.index_select(0, inverse).view(ctx.tokens, ctx.k, -1)
+        return g.sum(dim=1, dtype=torch.float32).to(grad.dtype), None, None, None
+
+
+class _GatherSlots(torch.autograd.Function):
+    """The inverse of `_SpreadRows`: out[t] = sum of token t's k expert outputs (fp32 sum), by one gather
+    with the inverse permutation; the backward hands each slot its token's gradient (a gather too)."""
+
+    @staticmethod
+    def forward(ctx, y, order, inverse, k):
+        ctx.save_for_backward(order)
+        ctx.k = k
+        tokens = y.shape[0] // k
+        return y.index_select(0, inverse).view(tokens, k, -1).sum(dim=1, dtype=torch.float32).to(y.dtype)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (order,) = ctx.saved_tensors
+        return grad.index_select(0, torch.div(order, ctx.k, rounding_mode="floor")), None, None, None
+
+
+class TokenDispatcher(MoEAllGatherTokenDispatcher):
+    """mcore's allgather dispatcher (tokens gathered over the expert TP x EP group, outputs reduce-scattered
+    back) with collectives that run on gloo too. With expert-TP x EP == 1 and no capacity it permutes by a
+    stable sort of the top-k expert ids: exactly T*topk rows, token counts left on the device, no host sync."""
+
+    def _sorted_path(self) -> bool:
+        return _group_size(self.tp_ep_group) == 1 and self.config.moe_expert_capacity_factor is None
+
+    def token_dispatch(self, hidden_states, probs):
+        if _group_size(self.tp_ep_group) > 1:
+            with torch.no_grad():
+                self.routing_map = gather_first_dim(self.routing_map, self.tp_ep_group)
+            probs = gather_first_dim(probs, self.tp_ep_group)
+            hidden_states = gather_first_dim(hidden_states, self.tp_ep_group)
+        return hidden_states, probs
+
+    def dispatch_postprocess(self, hidden_states, probs):
+        self.sorted = None
+        if not self._sorted_path():
+            return super().dispatch_postprocess(hidden_states, probs)
+        routing_map = self.routing_map
+        self.routing_map = None
+        k = self.router_topk
+        with torch.no_grad():
+            # dropless: every token has exactly k experts; slot j of token t is row t*k + j
+            top_i = torch.topk(routing_map.to(torch.float32), k, dim=1).indices
+            order = torch.argsort(top_i.reshape(-1), stable=True)  # expert-major, tokens in order within
+            inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+            tokens_per_expert = routing_map.sum(dim=0)
+        self.sorted = (order, inverse, k)
+        self.local_probs = probs.gather(1, top_i).reshape(-1)[order]
+        return _SpreadRows.apply(hidden_states, order, inverse, k), tokens_per_expert, self.local_probs
+
+    def combine_preprocess(self, hidden_states):
+        if self.sorted is None:
+            return super().combine_preprocess(hidden_states)
+        out = _GatherSlots.apply(hidden_states, *self.sorted)
+        self.sorted = None
+        return out
+
+    def token_combine(self, hidden_states):
+        if _group_size(self.tp_ep_group) > 1:
+            hidden_states = reduce_scatter_first_dim(
+                hidden_states.to(self.local_probs.dtype), self.tp_ep_group).to(hidden_states.dtype)
+        return hidden_states
+
+
+# ---------------------------------------------------------------------------------------------------
+# experts
+
+
+def _grouped_mm():
+    return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
+                   weights: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Each weight's main_grad += its group's grad_e^T @ x_e; returns the placeholder gradients that DDP's
+    hook then skips (`grad_added_to_main_grad`): one allocation for all the experts, as views."""
+    # [E, out, in]; torch's grouped GEMM writes only its inputs' dtype (bf16). Cast once to main_grad's
+    # dtype so that one multi-tensor add covers every expert (mixed dtypes leave foreach's fast path:
+    # one kernel launch per expert, thousands a step)
+    dw = _grouped_mm()(grad.t(), x, offs=offs)
+    mains = [w.main_grad for w in weights]
+    torch._foreach_add_(mains, list(dw.to(mains[0].dtype).unbind(0)))
+    zero = False
+    for w in weights:
+        w.grad_added_to_main_grad = True
+        zero = zero or getattr(w, "zero_out_wgrad", False)
+    # DDP's hook (overlap_grad_reduce) requires a gradient; views of one block obey AccumulateGrad's layout
+    # contract, so it keeps them without copying
+    shape = (len(weights), *weights[0].shape)
+    block = torch.zeros(shape, dtype=x.dtype, device=x.device) if zero else x.new_empty(shape)
+    return list(block.unbind(0))
+
+
+def _grouped_wgrad_fake(grad, x, offs, weights):
+    return [x.new_empty(w.shape) for w in weights]
+
+
+# opaque to the compiler (its side effect on main_grad is invisible to it), so that the autograd function
+# around it is traced and the MoE layer compiles as one graph with the rest of the transformer layer
+_grouped_wgrad_op = define_op("moe_grouped_wgrad(Tensor grad, Tensor x, Tensor offs, Tensor[] weights) -> Tensor[]",
+                              _grouped_wgrad, _grouped_wgrad_fake)
+
+
+class _GroupedLinear(torch.autograd.Function):
+    """y[rows of expert e] = x[rows of e] @ W_e^T for all local experts in one grouped GEMM, taking the
+    experts' weights one by one so each receives its own gradient. With `fuse`, the weight gradients
+    go straight into each weight's `main_grad` (megatron-core DDP's buffer), as the dense linears do
+    with gradient_accumulation_fusion (`_grouped_wgrad`), through an op the compiler does not trace."""
+
+    @staticmethod
+    def forward(ctx, x, offs, fuse, *weights):
+        ctx.fuse = fuse
+        ctx.save_for_backward(x, offs, *weights)
+        w = torch.stack([t.to(x.dtype) for t in weights])
+        return _grouped_mm()(x, w.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, offs, *weights = ctx.saved_tensors
+        grad = grad.contiguous()
+        mm = _grouped_mm()
+        w = torch.stack([t.to(x.dtype) for t in weights])
+        dx = mm(grad, w, offs=offs) if ctx.needs_input_grad[0] else None
+        if ctx.fuse:
+            return (dx, None, None, *_grouped_wgrad_op(grad, x, offs, list(weights)))
+        # [E, out, in]: per group grad_e^T @ x_e (2D x 2D grouped over the token dimension)
+        dw = mm(grad.t(), x, offs=offs)
+        return (dx, None, None, *(dw[e].to(t.dtype) for e, t in enumerate(weights)))
+
+
+def grouped_expert_mlp(x: torch.Tensor, fc1: List[torch.Tensor], fc2: List[torch.Tensor],
+                       tokens_per_expert: torch.Tensor, probs: torch.Tensor, activation=F.silu,
+                       fuse_wgrad: bool = False) -> torch.Tensor:
+    """The local experts' gated MLPs as two grouped GEMMs. x: [N, H] rows grouped by expert; fc1: each
+    expert's [2F, H] weight (gate rows then up rows); fc2: each expert's [H, F]; probs [N] applied after the
+    activation (as mcore's MLP applies `per_token_scale`). The offsets stay on the device: no host sync.
+    fuse_wgrad: weight gradients accumulate into the weights' `main_grad` (see `_GroupedLinear`)."""
+    offs = torch.cumsum(tokens_per_expert.to(device=x.device), dim=0, dtype=torch.int32)
+    h = _GroupedLinear.apply(x, offs, fuse_wgrad, *fc1)
+    gate, up = h.chunk(2, dim=-1)
+    a = activation(gate) * up
+    a = (a * probs.unsqueeze(-1)).to(a.dtype)
+    return _GroupedLinear.apply(a, offs, fuse_wgrad, *fc2)
+
+
+class Experts(SequentialMLP):
+    """mcore's `SequentialMLP` (same parameters, names and checkpoints: `local_experts.{e}.linear_fc1/fc2`,
+    each an MLP on our linears). On CUDA in bf16 the forward stacks the local weights and runs grouped
+    GEMMs instead of a loop that reads the token counts back to the host; each expert's weight gets its own
+    gradient (which DDP's hook adds into main_grad), or, under gradient_accumulation_fusion, the grouped
+    weight-gradient GEMM's slice goes into main_grad directly (`_GroupedLinear`)."""
+
+    def _can_group(self, x: torch.Tensor) -> bool:
+        c = self.config
+        f = self.local_experts[0].linear_fc2.weight.shape[1]
+        return (x.is_cuda and x.dtype == torch.bfloat16 and _grouped_mm() is not None and c.gated_linear_unit
+                and c.activation_func is F.silu and not c.add_bias_linear and not c.fp8 and not c.fp4
+                and not c.moe_apply_probs_on_input and c.activation_func_clamp_value is None
+                and c.glu_linear_offset == 0 and x.shape[-1] % 8 == 0 and f % 8 == 0)
+
+    def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
+        x = permuted_local_hidden_states
+        if not self._can_group(x):
+            return super().forward(x, tokens_per_expert, permuted_probs)
+        fc1 = [e.linear_fc1.weight for e in self.local_experts]
+        fc2 = [e.linear_fc2.weight for e in self.local_experts]
+        # as our linears (`linear._fuse_only_with_main_grad`): fused only where DDP gave a main_grad
+        fuse = bool(self.config.gradient_accumulation_fusion) and all(hasattr(w, "main_grad") for w in fc1 + fc2)
+        return grouped_expert_mlp(x, fc1, fc2, tokens_per_expert, permuted_probs, fuse_wgrad=fuse), None
+
+
+# ---------------------------------------------------------------------------------------------------
+# layer
+
+
+class MoELayer(_McoreMoELayer):
+    """mcore's MoELayer with our dispatcher. mcore picks its dispatcher from `moe_token_dispatcher_type`
+    inside its constructor; only the allgather one is CPU-safe and ours replaces it (its constructor
+    allocates nothing). mcore's rule stays: training with TP > 1 needs sequence parallelism."""
+
+    def __init__(self, config: TransformerConfig, submodules=None, layer_number=None, pg_collection=None):
+        if config.moe_token_dispatcher_type != "allgather":
+            raise NotImplementedError(
+                f"moe_token_dispatcher_type={config.moe_token_dispatcher_type!r}: only 'allgather' is built here")
+        if config.moe_shared_expert_overlap:
+            raise NotImplementedError("moe_shared_expert_overlap needs CUDA streams and TE; leave it False")
+        super().__init__(config, submodules=submodules, layer_number=layer_number, pg_collection=pg_collection)
+        self.token_dispatcher = TokenDispatcher(
+            self.num_local_experts, self.local_expert_indices, config=self.config,
+            pg_collection=self._pg_collection(pg_collection),
+        )
+
+    @staticmethod
+    def _pg_collection(pg_collection):
+        if pg_collection is not None:
+            return pg_collection
+        from megatron.core.transformer.moe.moe_utils import get_default_pg_collection
+
+        return get_default_pg_collection()
