@@ -26,10 +26,14 @@ from train_throughput import build_step, parser  # noqa: E402
 # kernel-name fragments -> kind; the first match wins
 KINDS = (
     ("attention", ("flash", "fmha", "attention", "sdpa", "cudnn")),
+    # torch._grouped_mm's CUTLASS kernels (MoE experts) before the other matmuls
+    ("grouped matmul (MoE experts)", ("groupproblemshape", "sm90group", "sm100group", "grouped", "group_gemm")),
     ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "sm90_", "sm80_", "cublas")),
     ("optimizer", ("multi_tensor", "adam", "fused_sgd")),
     ("communication", ("nccl",)),
     ("compiled (triton)", ("triton",)),
+    # eager MoE routing and token permutation; also the embedding's backward (a sort) and other indexing
+    ("sort, top-k, gather/scatter, indexing", ("sort", "topk", "gather", "scatter", "index", "histc", "bincount")),
 )
 
 
@@ -52,49 +56,73 @@ def main():
     args = p.parse_args()
 
     import torch
-    from torch.profiler import ProfilerActivity, profile
 
     step, cfg, world = build_step(args)
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=args.with_stack) as prof:
+    prof, wall = profile_steps(step, args.steps, with_stack=args.with_stack)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return
+    summarize(prof, args.steps, wall, f"mode={args.mode} size={args.size}", top=args.top, host_top=args.host_top,
+              gaps=args.gaps)
+
+
+def profile_steps(step, steps, with_stack=False):
+    """Run `steps` steps under torch.profiler; returns (profile, wall seconds per step). On a machine without
+    CUDA only host activity is recorded (a smoke run of the benchmarks)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities, with_stack=with_stack) as prof:
         t0 = time.perf_counter()
-        for _ in range(args.steps):
+        for _ in range(steps):
             step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / args.steps
+        if cuda:
+            torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    return prof, wall
+
+
+def summarize(prof, steps, wall, title, top=30, host_top=0, gaps=0):
+    """Print the step's wall time, GPU busy time, kernel time by kind and the top kernels (host ops by self
+    time when the profile holds no CUDA kernels)."""
+    import torch
 
     kernels = defaultdict(lambda: [0.0, 0])
     syncs = 0
     for e in prof.events():
         # "Optimizer.step#AdamW.step"-style ranges are annotations over kernels already counted
         if e.device_type == torch.autograd.DeviceType.CUDA and "#" not in e.name:
-            kernels[e.name][0] += e.device_time / 1e3 / args.steps
+            kernels[e.name][0] += e.device_time / 1e3 / steps
             kernels[e.name][1] += 1
         elif e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",
                         "aten::_local_scalar_dense"):
             syncs += 1
     busy = sum(t for t, _ in kernels.values())
-    if int(os.environ.get("RANK", "0")) != 0:
-        return
-    print(f"mode={args.mode} size={args.size} step wall {wall * 1e3:.1f} ms, kernels {busy:.1f} ms "
-          f"({busy / (wall * 1e3):.0%} busy), {sum(n for _, n in kernels.values()) // args.steps} kernels/step, "
-          f"{syncs // args.steps} host syncs/step")
-    by_kind = defaultdict(float)
-    for name, (t, _) in kernels.items():
-        by_kind[kind_of(name)] += t
-    for kind, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
-        print(f"{t:8.2f} ms  {t / busy:6.1%}  {kind}")
-    print("top kernels:")
-    for name, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[: args.top]:
-        print(f"{t:8.2f} ms {n // args.steps:5d}x  {name[:150]}")
-    if args.host_top:
+    if not kernels:
+        print(f"{title} step wall {wall * 1e3:.1f} ms, no CUDA kernels recorded")
+        host_top = host_top or top
+    else:
+        print(f"{title} step wall {wall * 1e3:.1f} ms, kernels {busy:.1f} ms "
+              f"({busy / (wall * 1e3):.0%} busy), {sum(n for _, n in kernels.values()) // steps} kernels/step, "
+              f"{syncs // steps} host syncs/step")
+        by_kind = defaultdict(float)
+        for name, (t, _) in kernels.items():
+            by_kind[kind_of(name)] += t
+        for kind, t in sorted(by_kind.items(), key=lambda kv: -kv[1]):
+            print(f"{t:8.2f} ms  {t / busy:6.1%}  {kind}")
+        print("top kernels:")
+        for name, (t, n) in sorted(kernels.items(), key=lambda kv: -kv[1][0])[:top]:
+            print(f"{t:8.2f} ms {n // steps:5d}x  {name[:150]}")
+    if host_top:
         print("host ranges by self CPU time per step:")
-        for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[: args.host_top]:
-            print(f"{e.self_cpu_time_total / 1e3 / args.steps:8.2f} ms {e.count // args.steps:6d}x  {e.key[:120]}")
-    if args.gaps:
-        print_gaps(prof, args.steps, args.gaps)
+        for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:host_top]:
+            print(f"{e.self_cpu_time_total / 1e3 / steps:8.2f} ms {e.count // steps:6d}x  {e.key[:120]}")
+    if gaps and kernels:
+        print_gaps(prof, steps, gaps)
 
 
 # frames that say nothing about which of our lines launched the work

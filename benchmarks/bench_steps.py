@@ -1,0 +1,113 @@
+"""What the training benchmarks share: the HF + accelerate step a careful user writes, the plugin's step
+through `prepare`, and timing a run of steps (GPU or CPU).
+
+The HF step: accelerate's bf16 autocast over fp32 master weights (or bf16 weights, `recipe="bf16_params"`),
+`torch.optim.AdamW(fused=True)`, gradient accumulation over the micro-batches with `no_sync`, foreach
+clipping, optionally `torch.compile(model)`. The plugin's step: `Accelerator(megatron_lm_plugin=...)`,
+`prepare(model, optimizer, scheduler, loader)`, `engine(**batch)`; both see the same global batch cut into
+the same micro-batches.
+"""
+
+import contextlib
+import time
+
+
+def hf_step(args, model, data, device, world, compiled, recipe="master_fp32"):
+    """One HF training step over `data`'s first global batch (each rank its share) as a closure returning
+    the step's loss (a tensor: reading it would synchronize)."""
+    import torch
+    from accelerate import Accelerator
+
+    if recipe == "bf16_params":
+        model.to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01,
+                            **({"fused": True} if device.type == "cuda" else {}))
+    acc = Accelerator(mixed_precision="bf16" if recipe == "master_fp32" else "no", cpu=device.type == "cpu")
+    model, opt = acc.prepare(model, opt)
+    fwd = torch.compile(model, mode=getattr(args, "compile_mode", "") or None) if compiled else model
+    local = args.global_batch // world
+    batch = {k: torch.stack([d[k] for d in data[:local]]).to(device) for k in data[0]}
+    micro_batches = [{k: v.chunk(args.num_micro)[i] for k, v in batch.items()} for i in range(args.num_micro)]
+
+    def step():
+        total = 0.0
+        for i, mb in enumerate(micro_batches):
+            ctx = acc.no_sync(model) if i < len(micro_batches) - 1 else contextlib.nullcontext()
+            with ctx:
+                loss = fwd(**mb).loss / len(micro_batches)
+                acc.backward(loss)
+            total = total + loss.detach()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, foreach=True)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return total
+
+    return step
+
+
+def megatron_step(args, model, data, world, batches, compiled, **plugin_kwargs):
+    """The plugin's training step (one global batch per call) as a closure returning the loss the engine
+    reports (meaningful on the last pipeline stage); `batches` global batches are loaded. `plugin_kwargs` go
+    to MegatronLMPlugin on top of the flags train_throughput.parser defines."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+    dp = world // (args.tp * args.pp)
+    micro = args.global_batch // (dp * args.num_micro)
+    # the plugin reads the optimizer's hyperparameters and builds its own (fused Adam on GPU)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
+    wgrad = False if args.no_wgrad_fusion else (True if args.wgrad_fusion else None)
+    plugin = MegatronLMPlugin(tp_degree=args.tp, pp_degree=args.pp, num_micro_batches=args.num_micro,
+                              sequence_parallelism=args.sp, use_distributed_optimizer=args.distopt,
+                              recompute_activations=args.recompute, fused_kernels=args.fused,
+                              gradient_accumulation_fusion=wgrad, torch_compile=compiled,
+                              **{"lr_decay_style": "constant", **plugin_kwargs})
+    dynamo = {}
+    if args.compile_mode and compiled:  # through accelerate's knob, as a user sets it
+        from accelerate.utils import TorchDynamoPlugin
+
+        dynamo["dynamo_plugin"] = TorchDynamoPlugin(backend="inductor", mode=args.compile_mode)
+    acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16", **dynamo)
+    loader = DataLoader(data * batches, batch_size=micro, drop_last=True)
+    # HF's steps run at a constant learning rate: the same here, so the two runs' losses track each other
+    sched = MegatronLMDummyScheduler(opt, total_num_steps=10 * batches, warmup_num_steps=0)
+    engine, opt, sched, loader = acc.prepare(model, opt, sched, loader)
+    engine.train()
+    it = iter(loader)
+
+    def step():
+        out = engine(**next(it))
+        return getattr(out, "loss", out).detach()
+
+    return step
+
+
+def timed_steps(step, steps, device):
+    """Run `steps` steps; returns (seconds, per-step ms, peak allocated bytes or None, the steps' losses read
+    after the clock stops). On GPU, events between
+    steps give each step's span on the GPU's timeline, so a slow step (a recompile, an allocator miss) shows
+    instead of hiding in the mean."""
+    import torch
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        marks = [torch.cuda.Event(enable_timing=True) for _ in range(steps + 1)]
+        marks[0].record()
+    ends, losses = [], []
+    t0 = time.perf_counter()
+    for i in range(steps):
+        losses.append(step())
+        marks[i + 1].record() if cuda else ends.append(time.perf_counter())
+    if cuda:
+        torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    losses = [float(x) if x is not None else float("nan") for x in losses]
+    if cuda:
+        step_ms = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]
+        return dt, step_ms, torch.cuda.max_memory_allocated(), losses
+    step_ms = [round((b - a) * 1e3, 1) for a, b in zip([t0] + ends, ends)]
+    return dt, step_ms, None, losses
