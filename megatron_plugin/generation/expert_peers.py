@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 
+from ..engine.expert_group import spanning_group
 from ..errors import MegatronPluginConfigError
 
 
@@ -33,15 +34,8 @@ class ExpertPeers:
     def of(cls, model) -> Optional["ExpertPeers"]:
         """The peers to decode with, or None when the model has no MoE layers or its expert group stays
         inside this model replica (then nothing changes). No collective."""
-        if not getattr(model.config, "num_moe_experts", None):
-            return None
-        group = parallel_state.get_expert_tensor_and_model_parallel_group(check_initialized=False)
-        if group is None or dist.get_world_size(group) == 1:
-            return None
-        replica = set(dist.get_process_group_ranks(parallel_state.get_model_parallel_group()))
-        if set(dist.get_process_group_ranks(group)) <= replica:
-            return None
-        return cls(group)
+        group = spanning_group(model)
+        return None if group is None else cls(group)
 
     def union(self, tokens: torch.Tensor, lengths: torch.Tensor, settings) -> tuple:
         """(tokens, lengths) of every replica of the group, right-padded to the longest; remembers this
