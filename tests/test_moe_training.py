@@ -38,7 +38,7 @@ def z_loss(out, mask):
     return sum((torch.logsumexp(l.float(), -1).square() * valid).sum() / valid.sum() for l in out.router_logits)
 
 
-def reference(steps, dp, micro, num_micro, per_token=False, z_coeff=0.0):
+def reference(steps, dp, micro, num_micro, per_token=False, z_coeff=0.0, with_weights=False):
     """Plain HF + torch: per step, every (rank, micro-batch) forward's loss (LM + aux) / their number; with
     `per_token`, weighted by its labelled tokens over the step's (calculate_per_token_loss's weighting);
     with `z_coeff`, plus that times the z-loss."""
@@ -72,11 +72,15 @@ def reference(steps, dp, micro, num_micro, per_token=False, z_coeff=0.0):
         opt.zero_grad()
         losses.append(total)
         norms.append(float(torch.sqrt(sum(p.detach().pow(2).sum() for p in model.parameters()))))
+    if with_weights:  # the trained weights, in the checkpoint names hf_state_dict gives
+        from megatron_plugin.models.moe_names import checkpoint_state_dict
+
+        return losses, norms, {k: v.detach().clone() for k, v in checkpoint_state_dict(model).items()}
     return losses, norms
 
 
 def megatron_run(tp, ep, steps, micro, num_micro, sp=False, per_token=False, z_coeff=0.0, log_dir=None,
-                 capacity=None):
+                 capacity=None, with_weights=False):
     """Inside each launched process: the same run through accelerator.prepare; per step the returned loss
     and the logged metrics (load-balancing loss, tokens per expert)."""
     import os
@@ -105,8 +109,9 @@ def megatron_run(tp, ep, steps, micro, num_micro, sp=False, per_token=False, z_c
         metrics.append({k: v.tolist() for k, v in model.metrics.items()})
         if len(losses) == steps:
             break
+    weights = model.hf_state_dict() if with_weights else None  # collective: every rank
     accelerator.end_training()
-    return losses, metrics
+    return (losses, metrics, weights) if with_weights else (losses, metrics)
 
 
 def valid_tokens_per_step(steps, rows_per_step):
@@ -177,9 +182,14 @@ def test_moe_training_with_tensor_parallelism_matches_hf(tp, ep, world):
     rank (their gradients summed over TP), the experts' MLPs are split over expert-TP ranks; with EP=2 on 4
     processes the experts are split both ways and the dense part is data-parallel over 2."""
     dp, micro, steps = world // tp, 2, 10
-    ref, _ = reference(steps, dp, micro, 1)
-    results = run_on_ranks(partial(megatron_run, sp=True), world, tp, ep, steps, micro, 1)
-    check_run(results, ref, dp * micro)
+    ref, _, ref_weights = reference(steps, dp, micro, 1, with_weights=True)
+    results = run_on_ranks(partial(megatron_run, sp=True, with_weights=True), world, tp, ep, steps, micro, 1)
+    check_run([r[:2] for r in results], ref, dp * micro)
+    # the losses alone hardly move when one group's gradients are reduced wrongly; the trained weights do
+    for rank, (_, _, weights) in enumerate(results):
+        assert weights.keys() == ref_weights.keys()
+        for k, w in weights.items():
+            assert (w - ref_weights[k]).abs().max().item() < 1e-4, f"rank {rank}: {k}"
 
 
 def expected_dropped(batches, capacity, topk=2):
