@@ -194,7 +194,7 @@ def _write_native(reader, save_path: str, *, tp, pp, dp, params_dtype, make_voca
 
     from megatron_plugin.engine.checkpointing.layout import (checkpoint_meta, expert_file, model_file, point_latest,
                                                              write_meta)
-    from megatron_plugin.engine.hf_io import staged_output, with_experts
+    from megatron_plugin.engine.hf_io import staged_output
     from megatron_plugin.fs import file_checksum
     from megatron_plugin.models.convert import model_dims
     from megatron_plugin.models.mapping import StagePlan, expand, read_shard
@@ -229,7 +229,7 @@ def _write_native(reader, save_path: str, *, tp, pp, dp, params_dtype, make_voca
                 write(model_file(os.path.join(out, tag), t, pp_rank), tensors_of(stage, False, tp, t))
                 bar.update(1)
             for e in range(ep if has_experts else 0):
-                plan = with_experts(family, cfg, stage, ep, e)
+                plan = family.plan_with_experts(cfg, stage, ep, e)
                 for t in range(etp):
                     write(expert_file(os.path.join(out, tag), t, e, pp_rank), tensors_of(plan, True, etp, t))
                     bar.update(1)

@@ -19,7 +19,6 @@ from typing import Dict, Optional
 import torch
 
 from megatron_plugin.engine.checkpointing.megatron_lm_layout import first_legacy_file, legacy_dirs, legacy_file
-from megatron_plugin.engine.hf_io import with_experts
 from megatron_plugin.engine.checkpointing.megatron_lm_state import CHECKPOINT_VERSION, ENTRY, model_key
 from megatron_plugin.errors import MegatronPluginConfigError
 from megatron_plugin.models.mapping import StagePlan, hf_to_mcore, unshard
@@ -40,7 +39,7 @@ def write(reader, ckpt: str, *, tp: int, pp: int, dims, params_dtype: torch.dtyp
     for pp_rank in range(pp):
         stage = StagePlan.for_rank(num_layers, pp, pp_rank)
         for e in range(ep):
-            plan = with_experts(reader.family, reader.config, stage, ep, e)
+            plan = reader.family.plan_with_experts(reader.config, stage, ep, e)
             for t in range(tp):
                 tensors = {name: x.to(params_dtype).contiguous()
                            for name, x in hf_to_mcore(reader.get_slice, rules, dims, plan, tp, t)}
@@ -116,7 +115,7 @@ class LegacyReader(MappedReader):
             raise MegatronPluginConfigError(
                 setting, ckpt, f"{self.pp} pipeline stages x {self.vpp} chunks do not split the HF config's {num_layers} "
                 "layers evenly: is the HF config this model's? (uneven stages are not read)")
-        plans = [(p, v, with_experts(family, config, StagePlan.for_rank(num_layers, self.pp, p, v, self.vpp), self.ep, e),
+        plans = [(p, v, family.plan_with_experts(config, StagePlan.for_rank(num_layers, self.pp, p, v, self.vpp), self.ep, e),
                   e) for p in range(self.pp) for v in range(self.vpp) for e in range(self.ep)]
         super().__init__(config, family, variant, plans, setting, ckpt)
         self._stage: Dict[tuple, list] = {}

@@ -153,13 +153,6 @@ def _load_bin(file: str, setting: str = "--load_path") -> dict:
         raise MegatronPluginConfigError(setting, file, f"cannot read this .bin file ({err}); is it complete?") from None
 
 
-def with_experts(family, hf_config, plan: StagePlan, ep_size: int = 1, ep_rank: int = 0) -> StagePlan:
-    """`plan` with the routed experts expert-parallel rank `ep_rank` of `ep_size` holds, for an MoE model;
-    any other model's plan as it is."""
-    experts = family.num_experts(hf_config)
-    return plan.with_experts(experts, ep_size, ep_rank) if experts else plan
-
-
 class MegatronReader:
     """A checkpoint written by `accelerator.save_state` or by this package, at any TP/PP/virtual stages and,
     for an MoE model, any expert-parallel / expert tensor-parallel layout. `get(name)` rebuilds one HF
@@ -183,7 +176,7 @@ class MegatronReader:
             for vp in range(vpp):
                 stage = StagePlan.for_rank(num_layers, self.meta["pp"], pp, vp, vpp)
                 for ep_rank in range(self.ep):
-                    plan = with_experts(self.family, self.config, stage, self.ep, ep_rank)
+                    plan = self.family.plan_with_experts(self.config, stage, self.ep, ep_rank)
                     for rule, hf_names, mcore_name in expand(rules, plan):
                         if rule.stage == "tied_output" or (ep_rank and not rule.per_expert):
                             continue

@@ -87,11 +87,15 @@ class ModelFamily:
     def num_layers(self, hf_config) -> int:
         return self.transformer_config(hf_config)["num_layers"]
 
+    def plan_with_experts(self, hf_config, plan: StagePlan, ep_size: int = 1, ep_rank: int = 0) -> StagePlan:
+        """`plan` with the routed experts expert-parallel rank `ep_rank` of `ep_size` holds, for an MoE model;
+        any other model's plan as it is."""
+        experts = self.num_experts(hf_config)
+        return plan.with_experts(experts, ep_size, ep_rank) if experts else plan
+
     def whole_plan(self, hf_config) -> StagePlan:
         """One stage holding every layer and every expert."""
-        whole = StagePlan.single(self.num_layers(hf_config))
-        experts = self.num_experts(hf_config)
-        return whole.with_experts(experts) if experts else whole
+        return self.plan_with_experts(hf_config, StagePlan.single(self.num_layers(hf_config)))
 
     def live_name(self, name: str) -> str:
         """The live HF model's parameter that holds the table's (checkpoint) tensor `name`."""

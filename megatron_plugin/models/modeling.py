@@ -26,11 +26,8 @@ from .moe_names import checkpoint_state_dict
 
 def expert_plan(family, hf_config, plan: StagePlan) -> StagePlan:
     """`plan` with this expert-parallel rank's experts, for an MoE family (megatron-core's expert groups)."""
-    experts = family.num_experts(hf_config)
-    if not experts:
-        return plan
-    return plan.with_experts(experts, parallel_state.get_expert_model_parallel_world_size(),
-                             parallel_state.get_expert_model_parallel_rank())
+    return family.plan_with_experts(hf_config, plan, parallel_state.get_expert_model_parallel_world_size(),
+                                    parallel_state.get_expert_model_parallel_rank())
 
 
 def experts_laid_apart(plan: StagePlan) -> bool:

@@ -33,7 +33,6 @@ from ...errors import MegatronPluginConfigError
 from ...models.convert import model_dims
 from ...models.mapping import TRANSFORMS, StagePlan, TensorSlice, expand, unshard
 from .collective import agree
-from ..hf_io import with_experts
 from .megatron_lm_layout import first_legacy_file, legacy_dirs, legacy_file
 from .megatron_lm_state import another_model, args_differences, model_key
 from .state import TrainingState
@@ -149,7 +148,7 @@ class LegacyReader:
             for vp in range(vpp):
                 stage = StagePlan.for_rank(num_layers, self.pp, p, vp, vpp)
                 for e in range(self.ep):  # each expert-parallel rank's file: the dense tensors and its experts
-                    plan = with_experts(self.family, self.config, stage, self.ep, e)
+                    plan = self.family.plan_with_experts(self.config, stage, self.ep, e)
                     for rule, hf_names, mcore_name in expand(rules, plan):
                         if rule.stage == "tied_output" or (e and not rule.per_expert):
                             continue
