@@ -59,8 +59,12 @@ def _config(family: str, tp: int = 1, ep: int = 1, sp: bool = False, **extra):
 def _start(tp: int = 1, ep: int = 1):
     from megatron.core import parallel_state
 
+    from megatron_plugin import patches
     from megatron_plugin.engine.distributed import init_process_group
 
+    # what prepare installs on CPU (undone after each task by tests/spawn.py): megatron-core's sequence-parallel
+    # collectives over gloo
+    patches.install(*patches.for_run("cpu", wgrad_fusion=False, rotary=False))
     init_process_group()
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
 

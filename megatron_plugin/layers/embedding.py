@@ -10,8 +10,8 @@ is deterministic) and the hook has nothing left to add, as for the linears' fuse
 Only with `gradient_accumulation_fusion`: the tied output layer then puts its own gradient into
 main_grad too, and marks the weight done (`grad_added_to_main_grad`), which tells the hook to skip it.
 
-Under sequence parallelism the lookup's sum over TP ranks is a reduce-scatter along the sequence; mcore's
-writes into a CUDA buffer, so it goes through `sp_comm`, which also runs on CPU (gloo).
+Under sequence parallelism the lookup's sum over TP ranks is a reduce-scatter along the sequence, through
+`sp_comm` here (on CPU, mcore's own reduce-scatter reaches `sp_comm` through the `cpu_sequence_parallel` patch).
 """
 
 from __future__ import annotations
@@ -58,9 +58,6 @@ class VocabParallelEmbedding(_McoreVocabParallelEmbedding):
 
     def forward(self, input_):
         if not self._into_main_grad():
-            if self.reduce_scatter_embeddings and input_.device.type == "cpu":
-                # mcore's reduce-scatter writes into a CUDA buffer: its lookup, then `sp_comm`'s
-                return self._lookup_then_reduce_scatter(input_)
             return super().forward(input_)
         tp = self.tp_group.size()
         ids = input_
@@ -76,17 +73,6 @@ class VocabParallelEmbedding(_McoreVocabParallelEmbedding):
         if self.reduce_scatter_embeddings:
             return reduce_scatter_first_dim(out.transpose(0, 1).contiguous(), self.tp_group)
         return reduce_from_tensor_model_parallel_region(out, group=self.tp_group)
-
-    def _lookup_then_reduce_scatter(self, input_):
-        """mcore's forward (0.16.1: VocabParallelEmbedding.forward) with `sp_comm`'s reduce-scatter."""
-        ids = input_
-        if self.tp_group.size() > 1:
-            outside = (input_ < self.vocab_start_index) | (input_ >= self.vocab_end_index)
-            ids = (input_ - self.vocab_start_index).masked_fill(outside, 0)
-        out = self.weight[ids] if self.deterministic_mode else F.embedding(ids, self.weight)
-        if self.tp_group.size() > 1:
-            out = out.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_scatter_first_dim(out.transpose(0, 1).contiguous(), self.tp_group)
 
 
 def use_our_word_embeddings(model, output_layer_shares_weight: bool) -> None:

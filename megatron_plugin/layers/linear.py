@@ -7,7 +7,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear as _McoreColumnPa
 from megatron.core.tensor_parallel import RowParallelLinear as _McoreRowParallelLinear
 
 from . import compiled_linear
-from .sp_comm import gather_first_dim, reduce_scatter_first_dim
+from .sp_comm import gather_first_dim
 
 
 @torch.compiler.disable
@@ -52,8 +52,9 @@ def _fuse_only_with_main_grad(weight, kwargs):
 
 
 def _cpu_sequence_parallel(layer, x) -> bool:
-    """Sequence parallelism on CPU: mcore's linears gather and reduce-scatter the sequence into CUDA
-    buffers; on CPU our linears do it with `sp_comm`'s collectives instead (same autograd)."""
+    """Sequence parallelism on CPU: mcore's column linear gathers the sequence inside its autograd function,
+    into a CUDA buffer; on CPU ours gathers with `sp_comm` first (same autograd). The row linear's
+    reduce-scatter goes through mcore's mappings, which the `cpu_sequence_parallel` patch routes to `sp_comm`."""
     return (layer.sequence_parallel and not layer.explicit_expert_comm and layer.tp_group is not None
             and layer.tp_group.size() > 1 and x.device.type == "cpu")
 
@@ -102,19 +103,7 @@ class RowParallelLinear(_McoreRowParallelLinear):
         if (_as_ops(self) and self.tp_group is not None and self.tp_group.size() > 1 and self.input_is_parallel
                 and not self.explicit_expert_comm):
             return self._ops_forward(input_)
-        if _cpu_sequence_parallel(self, input_) and self.input_is_parallel:
-            return self._cpu_sp_forward(input_)
         return _forward(self, super().forward, input_, *args, **kwargs)
-
-    def _cpu_sp_forward(self, input_):
-        """mcore's forward for an input split over TP under SP, with the reduce-scatter of `sp_comm`."""
-        out = self._forward_impl(input=input_, weight=self.weight, bias=None,
-                                 gradient_accumulation_fusion=self.gradient_accumulation_fusion,
-                                 allreduce_dgrad=False, sequence_parallel=False, tp_group=None, grad_output_buffer=None)
-        out = reduce_scatter_first_dim(out, self.tp_group)
-        if self.skip_bias_add:
-            return out, self.bias
-        return (out + self.bias if self.bias is not None else out), None
 
     def _ops_forward(self, input_):
         """mcore's forward for an input split over TP, with the linear and the TP sum (all-reduce, or

@@ -1,15 +1,16 @@
 """Mixture of Experts in megatron-core's MoELayer slot, on CPU (gloo) and CUDA, without TE.
 
 megatron-core 0.16.1's pieces are CUDA-bound in places: `TopKRouter.gating` moves its weight to
-`torch.cuda.current_device()`, the allgather dispatcher's collectives allocate on CUDA (and gloo has no
-reduce-scatter), and `SequentialMLP` reads the token counts back to the host. Here:
+`torch.cuda.current_device()`, the allgather dispatcher's collectives allocate on CUDA (on CPU the
+`cpu_sequence_parallel` patch routes them to `sp_comm`), and `SequentialMLP` reads the token counts back to the
+host. Here:
 
 - `Router`: HF's routing (softmax in fp32 over the logits, top-k, optionally renormalized), mcore's
   capacity/dropping (`moe_expert_capacity_factor`), and the micro-batch's routing statistics
   (`RouterStats`) from which the train step computes HF's load-balancing loss over all layers together.
   mcore's own aux-loss machinery never runs (its losses are per layer, HF's is across layers).
-- `TokenDispatcher`: mcore's allgather dispatcher over the expert TP x EP group with device-agnostic
-  collectives; with expert-TP x EP == 1 and no capacity, a sort-based permutation that never syncs.
+- `TokenDispatcher`: mcore's allgather dispatcher over the expert TP x EP group; with expert-TP x EP == 1
+  and no capacity, a sort-based permutation that never syncs.
 - `Experts`: mcore's `SequentialMLP` parameters (`local_experts.{e}.linear_fc1/fc2`); on CUDA in bf16 the
   experts run as two grouped GEMMs (`torch._grouped_mm`) over the stacked local weights, the weight
   gradients going into `main_grad` under gradient_accumulation_fusion.
@@ -33,7 +34,6 @@ from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDisp
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from .compiled_linear import define_op
-from .sp_comm import gather_first_dim, reduce_scatter_first_dim
 
 # ---------------------------------------------------------------------------------------------------
 # collectives on any device
@@ -268,19 +268,12 @@ class _GatherSlots(torch.autograd.Function):
 
 class TokenDispatcher(MoEAllGatherTokenDispatcher):
     """mcore's allgather dispatcher (tokens gathered over the expert TP x EP group, outputs reduce-scattered
-    back) with collectives that run on gloo too. With expert-TP x EP == 1 and no capacity it permutes by a
-    stable sort of the top-k expert ids: exactly T*topk rows, token counts left on the device, no host sync."""
+    back; on CPU its collectives reach `sp_comm` through the `cpu_sequence_parallel` patch). With expert-TP x EP
+    == 1 and no capacity it permutes by a stable sort of the top-k expert ids: exactly T*topk rows, token
+    counts left on the device, no host sync."""
 
     def _sorted_path(self) -> bool:
         return _group_size(self.tp_ep_group) == 1 and self.config.moe_expert_capacity_factor is None
-
-    def token_dispatch(self, hidden_states, probs):
-        if _group_size(self.tp_ep_group) > 1:
-            with torch.no_grad():
-                self.routing_map = gather_first_dim(self.routing_map, self.tp_ep_group)
-            probs = gather_first_dim(probs, self.tp_ep_group)
-            hidden_states = gather_first_dim(hidden_states, self.tp_ep_group)
-        return hidden_states, probs
 
     def dispatch_postprocess(self, hidden_states, probs):
         self.sorted = None
@@ -305,12 +298,6 @@ class TokenDispatcher(MoEAllGatherTokenDispatcher):
         out = _GatherSlots.apply(hidden_states, *self.sorted)
         self.sorted = None
         return out
-
-    def token_combine(self, hidden_states):
-        if _group_size(self.tp_ep_group) > 1:
-            hidden_states = reduce_scatter_first_dim(
-                hidden_states.to(self.local_probs.dtype), self.tp_ep_group).to(hidden_states.dtype)
-        return hidden_states
 
 
 # ---------------------------------------------------------------------------------------------------
