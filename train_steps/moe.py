@@ -124,15 +124,13 @@ class MoESupport:
         if mask is None:
             return {}
         gpt = unwrap_model(model)
-        config = gpt.config
-        if not getattr(gpt, "pre_process", True) and config.sequence_parallel:
+        if not getattr(gpt, "pre_process", True) and gpt.config.sequence_parallel:
             # megatron-core splits the mask over the TP ranks only on the first pipeline stage (GPTModel's
-            # embedding branch); a later stage's hidden states are this rank's [s/tp, b, H] sequence shard
-            from megatron.core import parallel_state
+            # embedding branch); a later stage's hidden states are this rank's [s/tp, b, H] sequence shard:
+            # the same split here
+            from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
-            tp = parallel_state.get_tensor_model_parallel_world_size()
-            rank = parallel_state.get_tensor_model_parallel_rank()
-            mask = mask.transpose(0, 1).chunk(tp)[rank].transpose(0, 1).contiguous()
+            mask = scatter_to_sequence_parallel_region(mask.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
         return {"padding_mask": mask}
 
     def add_to(self, model, loss_func):
