@@ -212,13 +212,14 @@ def profile(step, args, device, report):
     os.makedirs(args.profile, exist_ok=True)
     stem = os.path.join(args.profile, f"{args.size}_{args.mode}")
     text = io.StringIO()
+    # exported before the summary: a profile is exported once, and --gaps reads the trace too
+    prof.export_chrome_trace(stem + "_trace.json.gz")  # gzip: a 24-layer step's trace is ~100 MB of JSON
     with contextlib.redirect_stdout(text):
         summarize(prof, args.profile_steps, wall, f"mode={variant(args)} size={args.size} device={device.type}",
-                  top=args.top, gaps=args.gaps)
+                  top=args.top, gaps=args.gaps, trace=stem + "_trace.json.gz")
     print(text.getvalue(), flush=True)
     with open(stem + "_summary.txt", "w") as f:
         f.write(text.getvalue())
-    prof.export_chrome_trace(stem + "_trace.json.gz")  # gzip: a 24-layer step's trace is ~100 MB of JSON
 
 
 def table(rows):

@@ -12,6 +12,7 @@ time. Busy well below wall means the GPU waits on the host (launch overhead, hos
 stretch is charged to the Python code that launched the kernel ending it (the host was late there).
 """
 
+import gzip
 import json
 import os
 import sys
@@ -86,7 +87,7 @@ def profile_steps(step, steps, with_stack=False):
     return prof, wall
 
 
-def summarize(prof, steps, wall, title, top=30, host_top=0, gaps=0):
+def summarize(prof, steps, wall, title, top=30, host_top=0, gaps=0, trace=None):
     """Print the step's wall time, GPU busy time, kernel time by kind and the top kernels (host ops by self
     time when the profile holds no CUDA kernels)."""
     import torch
@@ -122,7 +123,7 @@ def summarize(prof, steps, wall, title, top=30, host_top=0, gaps=0):
         for e in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total)[:host_top]:
             print(f"{e.self_cpu_time_total / 1e3 / steps:8.2f} ms {e.count // steps:6d}x  {e.key[:120]}")
     if gaps and kernels:
-        print_gaps(prof, steps, gaps)
+        print_gaps(prof, steps, gaps, trace=trace)
 
 
 # frames that say nothing about which of our lines launched the work
@@ -130,12 +131,18 @@ _DULL = ("torch/nn/modules/module.py", "_contextlib.py", "<built-in", "torch/aut
          "torch/_functorch/", "torch/_ops.py", "torch/utils/_", "torch/_library/", "contextlib.py", "profile_step.py")
 
 
-def print_gaps(prof, steps, top, min_us=5.0):
+def print_gaps(prof, steps, top, min_us=5.0, trace=None):
     """GPU idle stretches (no kernel, copy or memset running), each charged to the Python frames (with
-    --with_stack) or host ranges around the launch of the kernel that ends it."""
-    with tempfile.NamedTemporaryFile(suffix=".json") as f:
-        prof.export_chrome_trace(f.name)
-        events = json.load(open(f.name))["traceEvents"]
+    --with_stack) or host ranges around the launch of the kernel that ends it. `trace`: the file the profile
+    was already exported to (a profile exports once)."""
+    if trace is not None:
+        opener = gzip.open if trace.endswith(".gz") else open
+        with opener(trace, "rt") as f:
+            events = json.load(f)["traceEvents"]
+    else:
+        with tempfile.NamedTemporaryFile(suffix=".json") as f:
+            prof.export_chrome_trace(f.name)
+            events = json.load(open(f.name))["traceEvents"]
     gpu = sorted((e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")), key=lambda e: e["ts"])
     launches = {e["args"]["correlation"]: e for e in events
                 if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})}

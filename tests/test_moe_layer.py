@@ -418,3 +418,79 @@ def _compiled_worker():
 def test_grouped_layer_compiles_as_one_graph():
     (res,) = run_on_ranks(_compiled_worker, 1)
     assert res.pop("diffs") == [0.0, 0.0, 0.0] and all(res.values()), res
+
+
+def test_expert_slots_is_the_stable_sort():
+    """The counting sort of the dispatcher (`expert_slots`) gives exactly the permutation a stable sort of
+    the (token, expert) pairs by expert gives, and the token counts."""
+    from megatron_plugin.layers.moe import expert_slots
+
+    torch.manual_seed(0)
+    for tokens, experts, k in ((37, 8, 2), (1000, 32, 4), (5, 4, 4), (64, 16, 1)):
+        top = torch.randn(tokens, experts).topk(k, dim=1).indices
+        routing_map = torch.zeros(tokens, experts, dtype=torch.bool).scatter_(1, top, True)
+        order, slots, top_i, per_expert = expert_slots(routing_map, k)
+        ref_top = torch.topk(routing_map.float(), k, dim=1).indices
+        ref_order = torch.argsort(ref_top.reshape(-1), stable=True)
+        assert torch.equal(top_i, ref_top)
+        assert torch.equal(order, ref_order)
+        assert torch.equal(slots[order], torch.arange(tokens * k))
+        assert torch.equal(per_expert.long(), routing_map.sum(0))
+
+
+def _stacked_worker():
+    """The engine's path (`stack_experts_each_forward`): hooks on the model stack the expert weights before
+    each forward into leaves made outside the compiled layer; the layer compiles as one graph over them
+    (fullgraph), the per-expert weights never enter the graph (no .grad), and the stacked gradient lands in
+    each expert's main_grad: equal to the eager per-expert path's, across two forwards (the stacks refilled)."""
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_plugin.layers import moe
+    from megatron_plugin.layers.spec import moe_mlp_spec
+
+    _start()
+    cfg = _config("qwen3_moe")
+    layer = build_module(moe_mlp_spec(cfg), config=cfg, layer_number=1)
+    _copy_weights(layer, _hf_block("qwen3_moe"), "qwen3_moe")
+    layer = layer.bfloat16()
+    cfg.gradient_accumulation_fusion = True
+    moe.Experts._can_group = lambda self, x: True  # the CUDA-only checks; torch's grouped GEMM runs on CPU
+    moe.Experts._weights_can_group = lambda self: True
+    weights = list(layer.experts.parameters())
+    torch.manual_seed(5)
+    x0 = torch.randn(S, B * 4, H, dtype=torch.bfloat16)
+
+    def run(fn, steps=2):
+        for w in weights:
+            w.main_grad = torch.zeros(w.shape)
+            w.grad = None
+        for _ in range(steps):
+            x = x0.clone().requires_grad_(True)
+            out = fn(x)[0]
+            out.float().square().sum().backward()
+        return out.detach().float(), x.grad.float(), torch.cat([w.main_grad.flatten() for w in weights])
+
+    eager = run(layer)
+
+    class Model(torch.nn.Module):  # the engine hooks the (uncompiled) model; its layers are compiled
+        def __init__(self):
+            super().__init__()
+            self.layer = layer
+
+        def forward(self, x):
+            return compiled(x)
+
+    compiled = torch.compile(layer, backend="aot_eager", fullgraph=True)
+    model = Model()
+    moe.stack_experts_each_forward(model)
+    stacked = run(model)
+    return dict(diffs=[float((a - b).abs().max() / b.abs().max()) for a, b in zip(eager, stacked)],
+                no_weight_grad=all(w.grad is None for w in weights),
+                stacks_dropped=layer.experts._stacks is None,
+                stacks_kept=layer.experts._stack_store is not None)
+
+
+def test_stacked_experts_compile_and_feed_main_grad():
+    (res,) = run_on_ranks(_stacked_worker, 1)
+    # the same grouped GEMMs on the same bf16 values: bit for bit (outputs, input and weight gradients)
+    assert res.pop("diffs") == [0.0, 0.0, 0.0] and all(res.values()), res

@@ -9,6 +9,7 @@ from typing import Dict, List
 import torch
 
 from ..errors import MegatronPluginConfigError
+from ..layers.moe import release_expert_stacks
 from .offload import Offload, WeightSnapshot, unique_storages
 from .optimizer import inner_torch_optimizers
 
@@ -92,6 +93,11 @@ class PostTrainingState:
         self.check_ready("offload", offloaded_ok=True)  # offloading twice is a no-op
         if self._offload is None:
             self._offload = Offload(self.device)
+        if params:
+            # the MoE layers' stacked copies of the expert weights (layers/moe.py) are device memory the
+            # offload would not free; the next forward stacks again
+            for c in self.chunks:
+                release_expert_stacks(c.module)
         return self._offload.offload(self._offload_groups(params, grads, optimizer))
 
     def reload(self) -> Dict[str, int]:

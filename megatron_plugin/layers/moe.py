@@ -10,7 +10,7 @@ host. Here:
   (`RouterStats`) from which the train step computes HF's load-balancing loss over all layers together.
   mcore's own aux-loss machinery never runs (its losses are per layer, HF's is across layers).
 - `TokenDispatcher`: mcore's allgather dispatcher over the expert TP x EP group; with expert-TP x EP == 1
-  and no capacity, a sort-based permutation that never syncs.
+  and no capacity, a counting-sort permutation that never syncs.
 - `Experts`: mcore's `SequentialMLP` parameters (`local_experts.{e}.linear_fc1/fc2`); on CUDA in bf16 the
   experts run as two grouped GEMMs (`torch._grouped_mm`) over the stacked local weights, the weight
   gradients going into `main_grad` under gradient_accumulation_fusion.
@@ -20,6 +20,7 @@ host. Here:
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 from typing import List, Optional
 
 import torch
@@ -232,45 +233,59 @@ def padding_mask_from_hf(attention_mask: Optional[torch.Tensor]) -> Optional[tor
 
 
 class _SpreadRows(torch.autograd.Function):
-    """Token t's row copied to its k expert slots in sorted order: out[j] = x[order[j] // k]. The backward
-    gathers each slot's gradient back into token order by the inverse permutation and sums the k slots
-    (in fp32): gathers only, where index_select's own backward would scatter-add with atomics."""
+    """Token t's row copied to its k expert slots in expert order: out[p] = x[token[p]]. The backward
+    gathers each slot's gradient back into token order by `slots` ([T * k]: token t's k slot positions) and
+    sums the k slots (in fp32): gathers only, where index_select's own backward would scatter-add with atomics."""
 
     @staticmethod
-    def forward(ctx, x, order, inverse, k):
-        ctx.save_for_backward(inverse)
+    def forward(ctx, x, token, slots, k):
+        ctx.save_for_backward(slots)
         ctx.k, ctx.tokens = k, x.shape[0]
-        return x.index_select(0, torch.div(order, k, rounding_mode="floor"))
+        return x.index_select(0, token)
 
     @staticmethod
     def backward(ctx, grad):
-        (inverse,) = ctx.saved_tensors
-        g = grad.index_select(0, inverse).view(ctx.tokens, ctx.k, -1)
+        (slots,) = ctx.saved_tensors
+        g = grad.index_select(0, slots).view(ctx.tokens, ctx.k, -1)
         return g.sum(dim=1, dtype=torch.float32).to(grad.dtype), None, None, None
 
 
 class _GatherSlots(torch.autograd.Function):
     """The inverse of `_SpreadRows`: out[t] = sum of token t's k expert outputs (fp32 sum), by one gather
-    with the inverse permutation; the backward hands each slot its token's gradient (a gather too)."""
+    over `slots`; the backward hands each slot its token's gradient (a gather too)."""
 
     @staticmethod
-    def forward(ctx, y, order, inverse, k):
-        ctx.save_for_backward(order)
-        ctx.k = k
+    def forward(ctx, y, token, slots, k):
+        ctx.save_for_backward(token)
         tokens = y.shape[0] // k
-        return y.index_select(0, inverse).view(tokens, k, -1).sum(dim=1, dtype=torch.float32).to(y.dtype)
+        return y.index_select(0, slots).view(tokens, k, -1).sum(dim=1, dtype=torch.float32).to(y.dtype)
 
     @staticmethod
     def backward(ctx, grad):
-        (order,) = ctx.saved_tensors
-        return grad.index_select(0, torch.div(order, ctx.k, rounding_mode="floor")), None, None, None
+        (token,) = ctx.saved_tensors
+        return grad.index_select(0, token), None, None, None
+
+
+def expert_slots(routing_map: torch.Tensor, k: int):
+    """Dropless routing [T, E] (k experts per token) -> (order [T*k]: for each expert-major slot, the pair
+    t*k + j (token t's j-th expert) it holds, tokens ascending within an expert; slots [T*k]: the inverse,
+    the slot of each pair; top_i [T, k]: the experts of the pairs; tokens_per_expert [E]). The permutation a
+    stable sort of the pairs by expert gives, found by counting: a token's place among its expert's tokens
+    is a running count down the routing map, so no sort kernel runs and nothing reads the host."""
+    top_i = torch.topk(routing_map.to(torch.float32), k, dim=1).indices
+    counts = routing_map.to(torch.int32).cumsum(dim=0)
+    tokens_per_expert = counts[-1]
+    start = torch.cumsum(tokens_per_expert, dim=0) - tokens_per_expert
+    slots = (start + counts - 1).gather(1, top_i).reshape(-1).long()
+    order = torch.empty_like(slots).scatter_(0, slots, torch.arange(slots.numel(), device=slots.device))
+    return order, slots, top_i, tokens_per_expert
 
 
 class TokenDispatcher(MoEAllGatherTokenDispatcher):
     """mcore's allgather dispatcher (tokens gathered over the expert TP x EP group, outputs reduce-scattered
     back; on CPU its collectives reach `sp_comm` through the `cpu_sequence_parallel` patch). With expert-TP x EP
-    == 1 and no capacity it permutes by a stable sort of the top-k expert ids: exactly T*topk rows, token
-    counts left on the device, no host sync."""
+    == 1 and no capacity it permutes by a counting sort of the routing map (`expert_slots`): exactly T*topk
+    rows, token counts left on the device, no host sync."""
 
     def _sorted_path(self) -> bool:
         return _group_size(self.tp_ep_group) == 1 and self.config.moe_expert_capacity_factor is None
@@ -283,14 +298,12 @@ class TokenDispatcher(MoEAllGatherTokenDispatcher):
         self.routing_map = None
         k = self.router_topk
         with torch.no_grad():
-            # dropless: every token has exactly k experts; slot j of token t is row t*k + j
-            top_i = torch.topk(routing_map.to(torch.float32), k, dim=1).indices
-            order = torch.argsort(top_i.reshape(-1), stable=True)  # expert-major, tokens in order within
-            inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-            tokens_per_expert = routing_map.sum(dim=0)
-        self.sorted = (order, inverse, k)
+            # dropless: every token has exactly k experts
+            order, slots, top_i, tokens_per_expert = expert_slots(routing_map, k)
+            token = torch.div(order, k, rounding_mode="floor")
+        self.sorted = (token, slots, k)
         self.local_probs = probs.gather(1, top_i).reshape(-1)[order]
-        return _SpreadRows.apply(hidden_states, order, inverse, k), tokens_per_expert, self.local_probs
+        return _SpreadRows.apply(hidden_states, token, slots, k), tokens_per_expert, self.local_probs
 
     def combine_preprocess(self, hidden_states):
         if self.sorted is None:
@@ -366,45 +379,180 @@ class _GroupedLinear(torch.autograd.Function):
         return (dx, None, None, *(dw[e].to(t.dtype) for e, t in enumerate(weights)))
 
 
-def grouped_expert_mlp(x: torch.Tensor, fc1: List[torch.Tensor], fc2: List[torch.Tensor],
-                       tokens_per_expert: torch.Tensor, probs: torch.Tensor, activation=F.silu,
-                       fuse_wgrad: bool = False) -> torch.Tensor:
+class _StackedGroupedLinear(torch.autograd.Function):
+    """`_GroupedLinear` on the local experts' weights stacked into one tensor [E, out, in] (a leaf made
+    outside the compiled layer, `stack_experts_each_forward`): autograd then has one weight edge per layer
+    and projection instead of one per expert, and the stacked weight gradient [E, out, in] goes to that
+    leaf, whose hook (`_into_main_grad`) adds it into the experts' main_grads."""
+
+    @staticmethod
+    def forward(ctx, x, offs, w):
+        ctx.save_for_backward(x, offs, w)
+        return _grouped_mm()(x, w.transpose(1, 2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, offs, w = ctx.saved_tensors
+        grad = grad.contiguous()
+        mm = _grouped_mm()
+        dx = mm(grad, w, offs=offs) if ctx.needs_input_grad[0] else None
+        dw = mm(grad.t(), x, offs=offs) if ctx.needs_input_grad[2] else None
+        return dx, None, dw
+
+
+def grouped_expert_mlp(x: torch.Tensor, fc1, fc2, tokens_per_expert: torch.Tensor, probs: torch.Tensor,
+                       activation=F.silu, fuse_wgrad: bool = False) -> torch.Tensor:
     """The local experts' gated MLPs as two grouped GEMMs. x: [N, H] rows grouped by expert; fc1: each
-    expert's [2F, H] weight (gate rows then up rows); fc2: each expert's [H, F]; probs [N] applied after the
-    activation (as mcore's MLP applies `per_token_scale`). The offsets stay on the device: no host sync.
-    fuse_wgrad: weight gradients accumulate into the weights' `main_grad` (see `_GroupedLinear`)."""
+    expert's [2F, H] weight (gate rows then up rows), or all of them stacked [E, 2F, H]; fc2: each expert's
+    [H, F], or [E, H, F] stacked; probs [N] applied after the activation (as mcore's MLP applies
+    `per_token_scale`). The offsets stay on the device: no host sync.
+    fuse_wgrad (weights given one by one): weight gradients accumulate into the weights' `main_grad`
+    (see `_GroupedLinear`)."""
     offs = torch.cumsum(tokens_per_expert.to(device=x.device), dim=0, dtype=torch.int32)
-    h = _GroupedLinear.apply(x, offs, fuse_wgrad, *fc1)
+
+    def linear(t, w):
+        if torch.is_tensor(w):
+            return _StackedGroupedLinear.apply(t, offs, w)
+        return _GroupedLinear.apply(t, offs, fuse_wgrad, *w)
+
+    h = linear(x, fc1)
     gate, up = h.chunk(2, dim=-1)
     a = activation(gate) * up
     a = (a * probs.unsqueeze(-1)).to(a.dtype)
-    return _GroupedLinear.apply(a, offs, fuse_wgrad, *fc2)
+    return linear(a, fc2)
+
+
+def _into_main_grad(experts: "Experts", weights: List[torch.Tensor], stacked: torch.Tensor) -> None:
+    """Post-accumulate hook of a stacked expert weight: its gradient [E, out, in] goes into each expert
+    weight's main_grad (megatron-core DDP's fp32 buffer) with one multi-tensor add, or into `.grad` where
+    there is no main_grad; then the weights are reported ready to DDP, whose own hooks never fire for them
+    (they are not in the graph)."""
+    dw, stacked.grad = stacked.grad, None
+    mains = [getattr(w, "main_grad", None) for w in weights]
+    if all(m is not None for m in mains):
+        # one cast of the whole block: mixed dtypes would leave foreach's fast path (one kernel per expert)
+        torch._foreach_add_(mains, list(dw.to(mains[0].dtype).unbind(0)))
+    else:
+        for w, g in zip(weights, dw.unbind(0)):
+            w.grad = g.to(w.dtype) if w.grad is None else w.grad + g.to(w.dtype)
+    ddp = experts._ddp
+    if ddp is not None and ddp.ddp_config.overlap_grad_reduce:
+        for w in weights:
+            group = ddp.param_to_bucket_group.get(w)
+            if group is not None:
+                group.register_grad_ready(w, ddp.force_all_reduce)
 
 
 class Experts(SequentialMLP):
     """mcore's `SequentialMLP` (same parameters, names and checkpoints: `local_experts.{e}.linear_fc1/fc2`,
-    each an MLP on our linears). On CUDA in bf16 the forward stacks the local weights and runs grouped
-    GEMMs instead of a loop that reads the token counts back to the host; each expert's weight gets its own
-    gradient (which DDP's hook adds into main_grad), or, under gradient_accumulation_fusion, the grouped
-    weight-gradient GEMM's slice goes into main_grad directly (`_GroupedLinear`)."""
+    each an MLP on our linears). On CUDA in bf16 the forward runs grouped GEMMs over the stacked local weights
+    instead of a loop that reads the token counts back to the host.
 
-    def _can_group(self, x: torch.Tensor) -> bool:
+    Where the engine stacks the weights before each forward of the model (`stack_experts_each_forward`,
+    outside the compiled layers), the layer reads those stacks and the per-expert weights never enter the
+    autograd graph: at Qwen3-MoE's shape that is 1,536 fewer AccumulateGrad nodes and DDP hooks a backward.
+    Otherwise (recompute in backward, generation, a model called without the engine) the weights go in one by
+    one; each gets its own gradient, or under gradient_accumulation_fusion the grouped weight-gradient GEMM's
+    slice goes into its main_grad directly (`_GroupedLinear`)."""
+
+    _stacks = None  # (fc1 [E, 2F, H], fc2 [E, H, F]) for the forward under way, set by the engine's hooks
+    _stack_store = None  # the stacks kept between forwards, with what copies the weights into them
+    _ddp = None  # megatron-core DDP holding the weights, to report them ready (`_into_main_grad`)
+
+    def _weights_can_group(self) -> bool:
         c = self.config
-        f = self.local_experts[0].linear_fc2.weight.shape[1]
-        return (x.is_cuda and x.dtype == torch.bfloat16 and _grouped_mm() is not None and c.gated_linear_unit
+        w1 = self.local_experts[0].linear_fc1.weight
+        h, f = w1.shape[1], self.local_experts[0].linear_fc2.weight.shape[1]
+        return (w1.is_cuda and w1.dtype == torch.bfloat16 and _grouped_mm() is not None and c.gated_linear_unit
                 and c.activation_func is F.silu and not c.add_bias_linear and not c.fp8 and not c.fp4
                 and not c.moe_apply_probs_on_input and c.activation_func_clamp_value is None
-                and c.glu_linear_offset == 0 and x.shape[-1] % 8 == 0 and f % 8 == 0)
+                and c.glu_linear_offset == 0 and h % 8 == 0 and f % 8 == 0)
+
+    def _can_group(self, x: torch.Tensor) -> bool:
+        return x.is_cuda and x.dtype == torch.bfloat16 and self._weights_can_group()
+
+    def stack_copies(self):
+        """(destinations, sources) that fill this layer's stacks with its current weights, the stacks made on
+        first use (and again if the weights moved): one [E, out, in] autograd leaf per projection, whose
+        gradient hook feeds the experts' main_grads. [], [] where the grouped path does not run. The stacks
+        stay allocated between forwards (so the copies of every layer are one multi-tensor copy, and the
+        compiled layer sees the same tensors each time); `release_stacks` frees them."""
+        if not self._weights_can_group():
+            return [], []
+        store = self._stack_store
+        w = self.local_experts[0].linear_fc1.weight
+        if store is None or store[0][0].device != w.device:
+            stacks, dsts, srcs = [], [], []
+            for name in ("linear_fc1", "linear_fc2"):
+                weights = [getattr(e, name).weight for e in self.local_experts]
+                stacked = torch.empty((len(weights), *weights[0].shape), dtype=weights[0].dtype, device=w.device,
+                                      requires_grad=True)
+                stacked.register_post_accumulate_grad_hook(partial(_into_main_grad, self, weights))
+                stacks.append(stacked)
+                # through .data: filling the stacks is not a change autograd must see (a pipeline schedule runs
+                # the next micro-batch's forward, with the same weights, before the last one's backward)
+                dsts += list(stacked.data.unbind(0))
+                srcs += weights
+            store = self._stack_store = (tuple(stacks), dsts, srcs)
+        for stacked in store[0]:
+            stacked.requires_grad_(w.requires_grad)
+        return store[1], store[2]
+
+    def release_stacks(self) -> None:
+        self._stacks = self._stack_store = None
 
     def forward(self, permuted_local_hidden_states, tokens_per_expert, permuted_probs):
         x = permuted_local_hidden_states
         if not self._can_group(x):
             return super().forward(x, tokens_per_expert, permuted_probs)
+        if self._stacks is not None:
+            fc1, fc2 = self._stacks
+            return grouped_expert_mlp(x, fc1, fc2, tokens_per_expert, permuted_probs), None
         fc1 = [e.linear_fc1.weight for e in self.local_experts]
         fc2 = [e.linear_fc2.weight for e in self.local_experts]
         # as our linears (`linear._fuse_only_with_main_grad`): fused only where DDP gave a main_grad
         fuse = bool(self.config.gradient_accumulation_fusion) and all(hasattr(w, "main_grad") for w in fc1 + fc2)
         return grouped_expert_mlp(x, fc1, fc2, tokens_per_expert, permuted_probs, fuse_wgrad=fuse), None
+
+
+def stack_experts_each_forward(model: torch.nn.Module, ddp=None) -> None:
+    """Have `model`'s forward first copy every MoE layer's expert weights into its stacks (one multi-tensor
+    copy for the whole model) and hand them to the layers, and take them back after (hooks on `model`, which
+    must not be compiled itself: the stacks are leaves made outside the compiled layers). `ddp`: the
+    megatron-core DDP wrapping `model`, told when the expert weights' gradients are in. A recompute in
+    backward runs after the forward and takes the per-expert path."""
+    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    if not experts:
+        return
+    for e in experts:
+        object.__setattr__(e, "_ddp", ddp)  # not as a submodule: DDP wraps the model that holds `e`
+
+    def stack(module, args):
+        dsts, srcs = [], []
+        for e in experts:
+            d, s = e.stack_copies()
+            dsts += d
+            srcs += s
+        if dsts:
+            with torch.no_grad():
+                torch._foreach_copy_(dsts, srcs)
+            for e in experts:
+                e._stacks = None if e._stack_store is None else e._stack_store[0]
+
+    def drop(module, args, output):
+        for e in experts:
+            e._stacks = None
+
+    model.register_forward_pre_hook(stack)
+    model.register_forward_hook(drop)
+
+
+def release_expert_stacks(model: torch.nn.Module) -> None:
+    """Free the expert weight stacks (offload: they hold a copy of the experts on the GPU); the next forward
+    makes them again."""
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.release_stacks()
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ def _grouped_vs_loop_worker():
         experts.zero_grad(set_to_none=True)
         out = fn(xx)
         (out.float() * probe.float()).sum().backward()
-        return out.detach(), xx.grad, [e.linear_fc1.weight.grad.clone() for e in experts.local_experts]
+        grads = [e.linear_fc1.weight.grad for e in experts.local_experts]
+        return out.detach(), xx.grad, [None if g is None else g.clone() for g in grads]
 
     assert experts._can_group(x)
     grouped = run(lambda xx: experts(xx, counts.cuda(), probs)[0])
@@ -57,11 +58,38 @@ def _grouped_vs_loop_worker():
         w.main_grad = torch.zeros(w.shape, dtype=torch.float32, device="cuda")
     experts.config.gradient_accumulation_fusion = True
     fused = run(lambda xx: experts(xx, counts.cuda(), probs)[0])
-    fused_dw = [w.main_grad for w in weights]
+    fused_dw = [w.main_grad.clone() for w in weights]
+
+    # the engine's path: weights stacked before the forward (one autograd leaf per projection), the stacked
+    # gradient added into main_grad by the leaf's hook; the per-expert weights stay out of the graph
+    from megatron_plugin.layers.moe import stack_experts_each_forward
+
+    stack_experts_each_forward(experts)  # as the engine hooks its model
+    seen = []
+
+    def stacked_run(xx):
+        out = experts(xx, counts.cuda(), probs)[0]
+        seen.append(experts._stacks is None and all(t.requires_grad and t.is_leaf for t in experts._stack_store[0]))
+        return out
+
+    for w in weights + [e.linear_fc2.weight for e in experts.local_experts]:
+        w.main_grad.zero_()
+    stacked = run(stacked_run)
+    stacked_dw = [w.main_grad.clone() for w in weights]
+    stacked_grad_none = all(w.grad is None for w in weights)
+    # without main_grad the stacked gradient lands in each weight's .grad
+    for w in weights + [e.linear_fc2.weight for e in experts.local_experts]:
+        del w.main_grad
+    plain = run(stacked_run)
     return dict(out=_rel(grouped[0], loop[0]), dx=_rel(grouped[1], loop[1]),
                 dw=max(_rel(a, b) for a, b in zip(grouped[2], loop[2]) if b.abs().max() > 0),
                 fused_dw=max(_rel(a, b) for a, b in zip(fused_dw, loop[2]) if b.abs().max() > 0),
-                empty_expert_dw=float(grouped[2][1].abs().max()) + float(fused_dw[1].abs().max()))
+                stacked_out=_rel(stacked[0], loop[0]), stacked_dx=_rel(stacked[1], loop[1]),
+                stacked_dw=max(_rel(a, b) for a, b in zip(stacked_dw, loop[2]) if b.abs().max() > 0),
+                plain_dw=max(_rel(a, b) for a, b in zip(plain[2], loop[2]) if b.abs().max() > 0),
+                stacked_grad_none=0.0 if stacked_grad_none else 1.0, stacks_dropped=0.0 if all(seen) else 1.0,
+                empty_expert_dw=float(grouped[2][1].abs().max()) + float(fused_dw[1].abs().max())
+                + float(stacked_dw[1].abs().max()))
 
 
 def test_grouped_gemm_matches_the_loop_in_bf16():
