@@ -122,9 +122,10 @@ def build_step(args):
 
         from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
 
-        dp = world // (args.tp * args.pp)
+        dp = world // (args.tp * args.pp * args.cp)
         micro = args.global_batch // (dp * args.num_micro)
-        plugin = MegatronLMPlugin(tp_degree=args.tp, pp_degree=args.pp, num_micro_batches=args.num_micro,
+        plugin = MegatronLMPlugin(tp_degree=args.tp, pp_degree=args.pp, context_parallel_size=args.cp,
+                                  num_micro_batches=args.num_micro,
                                   sequence_parallelism=args.sp, use_distributed_optimizer=args.distopt,
                                   recompute_activations=args.recompute, fused_kernels=args.fused,
                                   gradient_accumulation_fusion=False if args.no_wgrad_fusion else (True if args.wgrad_fusion else None),
@@ -201,7 +202,7 @@ def measure(args):
     if args.num_micro > 1:
         variant += f" ({args.num_micro} micro-batches)"
     result = {
-        "size": args.size, "mode": variant, "gpus": world, "tp": args.tp, "pp": args.pp,
+        "size": args.size, "mode": variant, "gpus": world, "tp": args.tp, "pp": args.pp, "cp": args.cp,
         "global_batch": args.global_batch, "tok_s": round(tok_s), "tflops_per_gpu": round(flops / 1e12, 1),
         "mfu": round(flops / peak_flops(name), 3), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "params": n_params, "device": name, "step_ms": step_ms,
@@ -215,7 +216,7 @@ def drive(args):
     for size in args.sizes.split(","):
         for mode in args.modes.split(","):
             cmd = [sys.executable, os.path.abspath(__file__), "--one", "--size", size, "--mode", mode]
-            for key in ("seq", "global_batch", "steps", "warmup", "tp", "pp", "num_micro", "compile_mode"):
+            for key in ("seq", "global_batch", "steps", "warmup", "tp", "pp", "cp", "num_micro", "compile_mode"):
                 cmd += [f"--{key}", str(getattr(args, key))]
             cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion") if getattr(args, flag)]
             if args.nproc > 1:
@@ -229,10 +230,10 @@ def drive(args):
             rows.append(row)
             print(json.dumps(row), flush=True)
     if rows:
-        print("\n| size | mode | GPUs | TPxPP | global batch | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB |")
+        print("\n| size | mode | GPUs | TPxCPxPP | global batch | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB |")
         print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
-            print(f"| {r['size']} | {r['mode']} | {r['gpus']} | {r['tp']}x{r['pp']} | {r['global_batch']} | {r['tok_s']:,} | "
+            print(f"| {r['size']} | {r['mode']} | {r['gpus']} | {r['tp']}x{r.get('cp', 1)}x{r['pp']} | {r['global_batch']} | {r['tok_s']:,} | "
                   f"{r['tflops_per_gpu']} | {r['mfu']:.1%} | {r['peak_mem_gib']} |")
         print(f"\ndevice: {rows[0]['device']}")
 
@@ -251,6 +252,7 @@ def parser(description=__doc__.splitlines()[0]):
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--cp", type=int, default=1, help="megatron: context_parallel_size (with --nproc)")
     p.add_argument("--num_micro", type=int, default=1)
     p.add_argument("--compile_mode", default="",
                    help="torch.compile mode for both compiled modes, e.g. reduce-overhead (CUDA graphs); the plugin "

@@ -3,6 +3,8 @@ Megatron indexed datasets from text.
 
     megatron-plugin config --config_file megatron_gpt_config.yaml          # asks
     megatron-plugin config --config_file cfg.yaml --tp 2 --num_processes 2 --cpu --non_interactive
+    megatron-plugin config --config_file cfg.yaml --tp 2 --context_parallel_size 2 --num_processes 8 \
+        --non_interactive                                                  # long sequences: TP2 x CP2 x DP2
     megatron-plugin config --config_file cfg.yaml --tp 8 --num_processes 16 --num_machines 2 \
         --main_process_ip 10.0.0.1 --non_interactive                       # 2 machines x 8 GPUs
     megatron-plugin launch --config_file cfg.yaml train.py --output_dir out # checks the YAML, then launches
@@ -87,6 +89,15 @@ QUESTIONS = [
     Question("sp", "Do you want to enable Sequence Parallelism? [YES/no]: ", True, parse_bool,
              ask_if=lambda a: a["tp"] > 1 and _on_gpu(a)),
     Question("pp", "What is the Pipeline Parallelism degree/size? [1]: ", 1, parse_int, ask_if=_on_gpu),
+    # context parallelism (GPT-2 and the Llama family): `--long_context yes` says so (not asked, as the MoE
+    # question below: accelerate's questions stay as they are), then the degree is asked; the answer is the
+    # --context_parallel_size flag's (one of the other megatron_lm_* keys)
+    Question("long_context", "Will each sequence be split over several ranks (context parallelism, for long "
+             "sequences; GPT-2 and Llama-family models)? [yes/NO]: ", False, parse_bool, ask_if=lambda a: False,
+             not_asked=False),
+    Question("context_parallel_size", "What is the Context Parallelism degree/size (each sequence is split over this "
+             "many ranks; sequence lengths must be multiples of 2 x it)? [1]: ", 1, parse_int,
+             ask_if=lambda a: a["long_context"], not_asked=1),
     # mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE): `--moe yes` says so (not asked: accelerate's questions,
     # which every dense run answers, stay as they are), then the expert-parallel degree is asked; the answer is
     # the --expert_model_parallel_size flag's (one of the other megatron_lm_* keys, below)
@@ -128,6 +139,7 @@ FLAGS = {
     "use_distributed_optimizer": "--distributed_optimizer", "gradient_clipping": "--gradient_clipping",
     "num_processes": "--num_processes", "mixed_precision": "--mixed_precision", "compile": "--compile",
     "torch_compile": "--compile", "tp_degree*pp_degree": "--tp * --pp", "moe": "--moe",
+    "tp_degree*context_parallel_size*pp_degree": "--tp * --context_parallel_size * --pp", "long_context": "--long_context",
     **{key: f"--{key}" for key in MACHINE_KEYS},
 }
 
@@ -210,6 +222,8 @@ def plugin_from_yaml(data: dict, path: str):
         settings["recompute_granularity"] = str(megatron["megatron_lm_recompute_granularity"]).strip().lower()
     names |= {"recompute_granularity": f"megatron_lm_config.megatron_lm_recompute_granularity in {path}",
               "tp_degree*pp_degree": f"megatron_lm_tp_degree*megatron_lm_pp_degree in {path}",
+              "tp_degree*context_parallel_size*pp_degree":
+                  f"megatron_lm_tp_degree*megatron_lm_context_parallel_size*megatron_lm_pp_degree in {path}",
               "num_processes": f"num_processes in {path}", "mixed_precision": f"mixed_precision in {path}",
               "dynamo_backend": f"dynamo_config.dynamo_backend in {path}"}
     backend = str((data.get("dynamo_config") or {}).get("dynamo_backend") or data.get("dynamo_backend") or "no")
@@ -277,8 +291,9 @@ def run_config(args, input_fn=input, print_fn=print) -> str:
                 extra[name] = parse(FLAGS[name], given)
             except MegatronPluginConfigError as err:
                 raise _as_flags(err) from None
-    if answers["expert_model_parallel_size"] != 1:  # asked, or given as the flag (then in extra already)
-        extra["expert_model_parallel_size"] = answers["expert_model_parallel_size"]
+    for name in ("expert_model_parallel_size", "context_parallel_size"):
+        if answers[name] != 1:  # asked, or given as the flag (then in extra already)
+            extra[name] = answers[name]
     answers["extra"] = extra
     machines = machine_settings(answers)
     check_machines(machines, lambda k: FLAGS.get(k, k))  # flags and defaults skip the questions' checks
@@ -368,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
     cfg.add_argument("--tp", default=None, help="tensor parallel degree")
     cfg.add_argument("--sp", default=None, help="sequence parallelism: yes/no")
     cfg.add_argument("--pp", default=None, help="pipeline parallel degree")
+    cfg.add_argument("--long_context", default=None, help="split each sequence over ranks: yes/no (asks the context "
+                                                          "parallel degree, --context_parallel_size)")
     cfg.add_argument("--moe", default=None, help="the model is a mixture of experts: yes/no (asks the expert "
                                                  "parallel degree, --expert_model_parallel_size)")
     cfg.add_argument("--num_micro_batches", default=None)

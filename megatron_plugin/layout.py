@@ -14,7 +14,8 @@ from megatron.core import parallel_state
 
 @dataclass(frozen=True)
 class Layout:
-    """Where this process sits in the TP x PP x DP grid."""
+    """Where this process sits in the TP x CP x PP x DP grid (dp_*: the data-parallel ranks, which read different
+    data; dp_cp_rank: the replicas of a model shard, of which one writes it)."""
 
     world_size: int
     rank: int
@@ -25,6 +26,9 @@ class Layout:
     dp_size: int
     dp_rank: int
     device: torch.device
+    # rank among the replicas of this model shard: data parallel x context parallel (context-parallel ranks hold
+    # the same weights and differ only in the part of each sequence they see)
+    dp_cp_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -47,4 +51,5 @@ def current_layout(device: torch.device | None = None) -> Layout:
         dp_size=ps.get_data_parallel_world_size(),
         dp_rank=ps.get_data_parallel_rank(),
         device=device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")),
+        dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
     )

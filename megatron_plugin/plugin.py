@@ -144,8 +144,9 @@ FIELD_STATUS = {
                                              " - interleaved 1F1B schedule",
     "decoder_last_pipeline_num_layers": "honoured: megatron_plugin.models.mapping - layers of the last pipeline "
                                         "stage; the others split the rest evenly",
-    "context_parallel_size": "refused: values > 1; context parallelism is not supported yet (issue 27) - use "
-                             "sequence_parallelism with tp_degree > 1 for long sequences",
+    "context_parallel_size": "honoured: megatron_plugin.engine.distributed.start - context parallel degree: each "
+                             "sequence is split over this many ranks in 2 x CP load-balanced chunks (GPT-2 and the "
+                             "Llama family; sequence lengths a multiple of 2 x context_parallel_size)",
     "expert_model_parallel_size": "honoured: megatron_plugin.engine.distributed.start - expert parallel degree of "
                                   "MoE layers (Mixtral, Qwen2-MoE, Qwen3-MoE); it must divide the number of experts",
     "expert_tensor_parallel_size": "honoured: megatron_plugin.engine.distributed.start - tensor parallel degree "
@@ -391,7 +392,7 @@ class MegatronLMPlugin:
     )
     # --- the rest of accelerate's MegatronLMPlugin, by its names and with Megatron-LM's meaning ---
     # parallel layout
-    context_parallel_size: Optional[int] = field(default=None, metadata={"help": "context parallel degree; only 1 runs today (context parallelism: issue 27)"})
+    context_parallel_size: Optional[int] = field(default=None, metadata={"help": "context parallel degree: each sequence is cut into 2 x CP chunks and every CP rank holds two of them (Megatron's load-balanced layout), for GPT-2 and the Llama family; sequence lengths must be multiples of 2 x context_parallel_size (default 1)"})
     expert_model_parallel_size: Optional[int] = field(default=None, metadata={"help": "expert parallel degree of MoE layers: each rank of an expert-parallel group holds 1/EP of the experts (default 1)"})
     expert_tensor_parallel_size: Optional[int] = field(default=None, metadata={"help": "tensor parallel degree inside the experts (default: tp_degree)"})
     decoder_last_pipeline_num_layers: Optional[int] = field(default=None, metadata={"help": "layers on the last pipeline stage; the others split the rest evenly (default: an even split)"})
@@ -502,6 +503,13 @@ class MegatronLMPlugin:
             # Megatron's grid: TP x CP x PP ranks hold one model replica, DP replicas fill the world
             model_parallel = self.tp_degree * self.pp_degree * self.context_parallel_size
             if world_size % model_parallel:
+                if self.context_parallel_size > 1:
+                    raise MegatronPluginConfigError(
+                        "tp_degree*context_parallel_size*pp_degree",
+                        f"{self.tp_degree}*{self.context_parallel_size}*{self.pp_degree}={model_parallel}",
+                        f"the world size {world_size} must be a multiple of it: launch a multiple of "
+                        f"{model_parallel} processes, or lower tp_degree/context_parallel_size/pp_degree",
+                    )
                 raise MegatronPluginConfigError(
                     "tp_degree*pp_degree",
                     f"{self.tp_degree}*{self.pp_degree}={model_parallel}",
@@ -605,11 +613,34 @@ class MegatronLMPlugin:
 
     def _refuse_unsupported(self):
         """Settings of accelerate's plugin whose feature does not run here (see FIELD_STATUS)."""
-        if self.context_parallel_size > 1:
+        if self.context_parallel_size > 1 and self.custom_model_provider_function is not None:
+            # the engine splits each sequence for our attention (layers/context_parallel.py); a provider's
+            # module has megatron-core's own, which without Transformer Engine refuses or ignores the split
             raise MegatronPluginConfigError(
                 "context_parallel_size", self.context_parallel_size,
-                "context parallelism is not supported yet (issue 27): runs use context_parallel_size=1; for long "
-                "sequences use sequence_parallelism=True with tp_degree > 1, and recompute_activations",
+                "context parallelism runs the HF model's conversion, whose attention sees the whole sequence; a "
+                "module from custom_model_provider_function has megatron-core's own attention: use "
+                "context_parallel_size=1 with it, or leave custom_model_provider_function unset",
+            )
+        if self.context_parallel_size > 1 and self.custom_get_batch_function is not None:
+            # it gets this rank's part of each sequence: masks and position ids built from that part alone
+            # (as the guide's get_ltor_masks_and_position_ids does) would be those of a shorter sequence
+            raise MegatronPluginConfigError(
+                "custom_get_batch_function", self.custom_get_batch_function,
+                f"with context_parallel_size={self.context_parallel_size} each rank holds two chunks of every "
+                "sequence, and masks or position ids built from them alone are wrong: leave it unset (the train "
+                "step's own get_batch builds them by global positions), or use context_parallel_size=1",
+            )
+        if (self.context_parallel_size > 1 and self.custom_loss_function is not None
+                and not self.calculate_per_token_loss):
+            # a mean over this rank's tokens, averaged over ranks, is not the mean over the whole sequence
+            # when the ranks' loss tokens differ; (sum, count) is weighed over DP x CP by the engine
+            raise MegatronPluginConfigError(
+                "custom_loss_function", self.custom_loss_function,
+                f"with context_parallel_size={self.context_parallel_size} it sees one rank's part of each "
+                "sequence, and a mean over those tokens is not the whole sequence's: set "
+                "calculate_per_token_loss=True and return (loss sum, token count, logs), which the engine "
+                "weighs over the context-parallel ranks; or leave it unset, or use context_parallel_size=1",
             )
         if self.pipeline_model_parallel_split_rank is not None:
             raise MegatronPluginConfigError(

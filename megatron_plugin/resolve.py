@@ -262,7 +262,7 @@ def resolve(inputs: Inputs, plugin: MegatronLMPlugin, *, world_size: int, device
             "sequence_parallelism=True, or split the experts with expert_model_parallel_size and "
             "tp_degree=1",
         )
-    dp = world_size // (plugin.tp_degree * plugin.pp_degree)
+    dp = world_size // (plugin.tp_degree * plugin.pp_degree * plugin.context_parallel_size)
     fusion = resolve_fusion(plugin, device_type, compile_kwargs)
     micro = micro_batch_size(inputs.loaders, inputs.indexed, plugin)
     # as accelerate's resolved plugin has them after prepare (its set_training_args)

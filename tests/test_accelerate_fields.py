@@ -20,7 +20,6 @@ ACCELERATE_FIELDS = [f.name for f in dataclasses.fields(AcceleratePlugin)]
 
 # a value each refused field is refused at (one accelerate's defaults would not give, so conversion keeps it)
 REFUSED_VALUES = {
-    "context_parallel_size": 4,
     "pipeline_model_parallel_split_rank": 1,
     "use_custom_fsdp": True,
 }
@@ -162,9 +161,15 @@ def test_conversion_reads_the_environment_like_accelerate(clean_env):
     got = MegatronLMPlugin.from_accelerate(AcceleratePlugin())
     assert (got.tp_degree, got.num_micro_batches, got.calculate_per_token_loss) == (2, 4, True)
     assert MegatronLMPlugin.from_accelerate(AcceleratePlugin(tp_degree=1)).tp_degree == 1  # code wins
-    clean_env.setenv("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", "2")  # refused, from the environment too
+    # accelerate's own default is 2 (read as unset); from the environment both read the launch's value
+    clean_env.setenv("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", "2")
+    assert MegatronLMPlugin.from_accelerate(AcceleratePlugin()).context_parallel_size == 2
+    clean_env.setenv("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", "4")
+    assert MegatronLMPlugin.from_accelerate(AcceleratePlugin()).context_parallel_size == 4
+    assert MegatronLMPlugin.from_accelerate(AcceleratePlugin(context_parallel_size=1)).context_parallel_size == 1
+    clean_env.setenv("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", "0")  # refused by name, from the environment too
     with pytest.raises(MegatronPluginConfigError) as err:
-        MegatronLMPlugin.from_accelerate(AcceleratePlugin())
+        MegatronLMPlugin.from_accelerate(AcceleratePlugin(tp_degree=2))
     assert err.value.setting == "context_parallel_size"
 
 

@@ -780,3 +780,159 @@ def test_moe_with_tensor_parallel_trains_only_with_sequence_parallel():
     got = refusal(lambda: resolve(inputs, MegatronLMPlugin(tp_degree=2), world_size=2, device_type="cuda",
                                   mixed_precision="no"))
     check_refusal(got, "sequence_parallelism", "sequence_parallelism=True", "expert_model_parallel_size")
+
+
+# -- context parallelism ----------------------------------------------------------------------------------
+def _t5_config():
+    from transformers import T5Config
+
+    return T5Config(vocab_size=99, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+
+
+def _bert_config():
+    from transformers import BertConfig
+
+    return BertConfig(vocab_size=99, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64)
+
+
+def _moe_config(name):
+    from tests.models import moe_config
+
+    return lambda: moe_config(name)
+
+
+@pytest.mark.parametrize("config,words", [
+    (_bert_config, ("bert", "bidirectional", "context_parallel_size=1", "GPT-2, Llama")),
+    (_t5_config, ("t5", "encoder-decoder", "cross-attention", "context_parallel_size=1")),
+    (_moe_config("mixtral"),
+     ("mixture-of-experts", "mixtral", "not combined over the context-parallel ranks", "context_parallel_size=1")),
+    (_moe_config("qwen3_moe"), ("mixture-of-experts", "qwen3_moe", "context_parallel_size=1")),
+], ids=["bert", "t5", "mixtral", "qwen3_moe"])
+def test_context_parallel_refused_for_families_it_does_not_split(config, words):
+    """BERT and T5 (bidirectional / encoder-decoder attention) and the MoE families are refused by name at
+    CP > 1 in check_model, which resolve runs before any process group; at CP = 1 they pass."""
+    from megatron_plugin.models import check_model
+
+    cfg = config()
+    got = refusal(lambda: check_model(MegatronLMPlugin(context_parallel_size=2), cfg, world_size=2))
+    check_refusal(got, "context_parallel_size", "=2", *words, exact=True)
+    assert refusal(lambda: check_model(MegatronLMPlugin(), cfg, world_size=2)) is None
+
+
+def test_context_parallel_taken_by_causal_families_and_checked_against_the_world():
+    from megatron_plugin.models import check_model
+    from tests.models import gpt2_config, llama_config
+
+    for cfg in (gpt2_config(), llama_config("llama"), llama_config("mistral"), llama_config("qwen2"),
+                llama_config("qwen3")):
+        assert check_model(MegatronLMPlugin(context_parallel_size=2, tp_degree=2), cfg, world_size=8) is not None
+    got = refusal(lambda: check_model(MegatronLMPlugin(context_parallel_size=2, tp_degree=2), gpt2_config(),
+                                      world_size=6))
+    check_refusal(got, "tp_degree*context_parallel_size*pp_degree", "2*2*1=4", "world size 6", "multiple of 4",
+                  exact=True)
+    got = refusal(lambda: MegatronLMPlugin(context_parallel_size=2, custom_model_provider_function=lambda *a: None))
+    check_refusal(got, "context_parallel_size", "custom_model_provider_function", "context_parallel_size=1", exact=True)
+    got = refusal(lambda: MegatronLMPlugin(context_parallel_size=2, custom_get_batch_function=lambda it: next(it)))
+    check_refusal(got, "custom_get_batch_function", "two chunks", "global positions", "context_parallel_size=1",
+                  exact=True)
+
+    def loss(loss_mask, output):
+        return output.sum(), {}
+
+    got = refusal(lambda: MegatronLMPlugin(context_parallel_size=2, custom_loss_function=loss))
+    check_refusal(got, "custom_loss_function", "calculate_per_token_loss=True", "(loss sum, token count, logs)",
+                  exact=True)
+    # (sum, count) is weighed over DP x CP by the engine: taken; and every hook at CP=1
+    assert MegatronLMPlugin(context_parallel_size=2, custom_loss_function=loss, calculate_per_token_loss=True)
+    assert MegatronLMPlugin(custom_loss_function=loss, custom_get_batch_function=lambda it: next(it))
+
+
+def test_context_parallel_sequence_length_rule():
+    """A sequence must cut into 2 x CP chunks (and, under SP, each rank's 2 chunks over TP): the batch check
+    refuses any other length naming the length, CP and the multiple to pad to."""
+    from types import SimpleNamespace
+
+    from megatron_plugin.engine.batch_check import (Findings, context_parallel_error, sequence_multiple,
+                                                    sequence_parallel_error)
+
+    def found(length, tp, cp, sp=False):
+        ids = torch.zeros(2, length, dtype=torch.long)
+        return Findings({"input_ids": ids}, ["input_ids"], [], {}, 1000, None, length, 0, layout=(tp, cp, 1),
+                        sequence_parallel=sp)
+
+    def errors(length, tp, cp, sp=False):
+        f = found(length, tp, cp, sp)
+        err = context_parallel_error(f) or sequence_parallel_error(f, SimpleNamespace(sequence_parallelism=sp))
+        return None if err is None else (err.setting, str(err))
+
+    assert [sequence_multiple((tp, cp, 1), sp) for tp, cp, sp in (
+        (1, 1, False), (2, 1, True), (1, 2, False), (2, 2, False), (2, 2, True), (4, 2, True), (2, 3, True), (4, 3, True))
+    ] == [1, 2, 4, 4, 4, 8, 6, 12]
+    for length, tp, cp, sp in ((16, 1, 2, False), (12, 2, 2, True), (24, 4, 2, True), (12, 1, 3, False), (30, 1, 1, False)):
+        assert errors(length, tp, cp, sp) is None, (length, tp, cp, sp)
+    check_refusal(errors(14, 1, 2), "context_parallel_size", "=2", "sequence length 14 of 'input_ids'",
+                  "2 x context_parallel_size = 4", "pad_to_multiple_of=4", "-100", exact=True)
+    check_refusal(errors(16, 1, 3), "context_parallel_size", "=3", "sequence length 16", "= 6", "pad_to_multiple_of=6",
+                  exact=True)
+    # CP fits, SP's split of each rank's 2 chunks over TP does not: named with both degrees and the multiple
+    check_refusal(errors(12, 4, 2, True), "sequence_parallelism", "sequence length 12",
+                  "tp_degree x context_parallel_size = 8", "pad_to_multiple_of=8", exact=True)
+    check_refusal(errors(10, 4, 2, True), "context_parallel_size", "sequence length 10", "pad_to_multiple_of=8", exact=True)
+    check_refusal(errors(15, 2, 1, True), "sequence_parallelism", "multiple of tp_degree=2", "pad_to_multiple_of=2",
+                  exact=True)
+
+    # what the engine splits is each micro-batch's input_ids after the step's before_sequence_split: DPO's two
+    # sides joined (padded to the longer), and a micro-batch already split counts by its whole length
+    from megatron_plugin.layers.context_parallel import SHARD, SequenceShard, cp_index
+
+    def dpo(chosen, rejected, joined):
+        batch = {"chosen_input_ids": torch.zeros(2, chosen, dtype=torch.long),
+                 "rejected_input_ids": torch.zeros(2, rejected, dtype=torch.long)}
+        f = Findings(batch, sorted(batch), [], {}, 1000, None, max(chosen, rejected), 0, layout=(1, 2, 1))
+        f.micro_batches = [dict(batch, input_ids=torch.zeros(4, joined, dtype=torch.long))]
+        return context_parallel_error(f)
+
+    assert dpo(6, 8, 8) is None
+    check_refusal((dpo(6, 6, 6).setting, str(dpo(6, 6, 6))), "context_parallel_size",
+                  "sequence length 6 of 'chosen_input_ids and rejected_input_ids (joined)'", "pad_to_multiple_of=4")
+    split = found(16, 1, 2)
+    local = torch.zeros(2, 8, dtype=torch.long)
+    setattr(local, SHARD, SequenceShard(2, 0, None, 16, cp_index(16, 2, 0)))
+    split.micro_batches = [{"input_ids": local}]
+    assert context_parallel_error(split) is None  # 8 local tokens of a whole 16
+
+
+def _context_parallel_lengths():
+    """CP=2 on two ranks, or DP=2 x CP=2 on four with only data-parallel replica 1 given a bad length: every
+    rank refuses before any forward, the weights stay; then a good batch trains."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    acc, engine = _prepare(plugin=MegatronLMPlugin(context_parallel_size=2), micro=2)
+    engine.train()
+    data = token_dataset(2, 1000, seed=5)
+    good = {k: torch.stack([d[k] for d in data]) for k in ("input_ids", "attention_mask", "labels")}
+    short = {k: v[:, :14] for k, v in good.items()}  # 14: not a multiple of 2 x CP = 4
+    whole_world = dist.get_world_size() == 2
+    bad = short if whole_world or parallel_state.get_data_parallel_rank() == 1 else good
+    before = {k: v.clone() for k, v in engine.hf_state_dict().items()}
+    out = {"refused": refusal(engine, **bad)}
+    engine.can_defer_batch_check = lambda: True  # as the CUDA engine reads the flags
+    out["refused_deferred"] = refusal(engine, **bad)
+    out["untouched"] = all(torch.equal(v, engine.hf_state_dict()[k]) for k, v in before.items())
+    out["bad_here"] = bad is short
+    loss = engine(**good).loss.item()
+    out["trained"] = loss == loss and not engine.last_step_skipped
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "dp2_cp2_one_replica_bad"])
+def test_context_parallel_length_not_a_multiple_of_2cp_is_refused_on_every_rank(world):
+    for rank, out in enumerate(run_on_ranks(_context_parallel_lengths, world)):
+        for key in ("refused", "refused_deferred"):
+            if out["bad_here"]:
+                check_refusal(out[key], "context_parallel_size", "=2", "sequence length 14",
+                              "2 x context_parallel_size = 4", "pad_to_multiple_of=4", exact=True, where=(rank, key))
+            else:  # the other replica's batch: refused all the same, nobody is left waiting in a collective
+                check_refusal(out[key], "batch", "another rank's batch", exact=True, where=(rank, key))
+        assert out["untouched"] and out["trained"], (rank, out)

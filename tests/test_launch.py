@@ -147,7 +147,8 @@ def test_questionnaire_takes_the_other_megatron_lm_keys_as_flags(tmp_path, capsy
     assert (plugin.attention_dropout, plugin.no_save_optim, plugin.recompute_method, plugin.attention_backend,
             plugin.calculate_per_token_loss) == (0.1, True, "block", "auto", True)
     # refused values are refused under the flag's name, and nothing is written
-    for flags, setting in ((["--context_parallel_size", "2", "--num_processes", "2"], "--context_parallel_size"),
+    for flags, setting in ((["--context_parallel_size", "2", "--num_processes", "3"], "--tp * --context_parallel_size * --pp"),
+                           (["--context_parallel_size", "0"], "--context_parallel_size"),
                            (["--expert_model_parallel_size", "2"], "--expert_model_parallel_size"),
                            (["--use_custom_fsdp", "true"], "--use_custom_fsdp"),
                            (["--hidden_dropout", "lots"], "--hidden_dropout")):
@@ -191,8 +192,12 @@ BAD_CONFIGS = {
                          ["megatron_lm_config.megatron_lm_pp_degree in ", "need CUDA", "pp_degree=1"]),
     "fp16_on_cpu": (CPU + "num_processes: 1\nmixed_precision: fp16\n", ".yaml", ["mixed_precision in ", "fp16 needs CUDA"]),
     # the keys accelerate's integration added, checked like the others
-    "context_parallel": (CPU + "num_processes: 2\nmegatron_lm_config:\n  megatron_lm_context_parallel_size: 2\n", ".yaml",
-                         ["megatron_lm_config.megatron_lm_context_parallel_size in ", "=2", "issue 27"]),
+    "context_parallel": (CPU + "num_processes: 6\nmegatron_lm_config:\n  megatron_lm_context_parallel_size: 2\n"
+                         "  megatron_lm_tp_degree: 2\n", ".yaml",
+                         ["megatron_lm_tp_degree*megatron_lm_context_parallel_size*megatron_lm_pp_degree in ",
+                          "'2*2*1=4'", "world size 6", "multiple of 4"]),
+    "context_parallel_zero": (CPU + "num_processes: 2\nmegatron_lm_config:\n  megatron_lm_context_parallel_size: 0\n",
+                              ".yaml", ["megatron_lm_config.megatron_lm_context_parallel_size in ", "=0", ">= 1"]),
     "custom_fsdp": (CPU + "num_processes: 1\nmegatron_lm_config:\n  megatron_lm_use_custom_fsdp: true\n", ".yaml",
                     ["megatron_lm_config.megatron_lm_use_custom_fsdp in ", "use_distributed_optimizer=True"]),
     "dropout": (CPU + "num_processes: 1\nmegatron_lm_config:\n  megatron_lm_attention_dropout: 1.5\n", ".yaml",

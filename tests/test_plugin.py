@@ -111,6 +111,57 @@ def test_world_size_not_divisible_before_any_process_group(clean_env):
     assert not dist.is_initialized()
 
 
+def test_context_parallel_from_code_and_environment(clean_env):
+    """context_parallel_size > 1 is taken, from code or from MEGATRON_LM_CONTEXT_PARALLEL_SIZE (what
+    `accelerate launch` writes for megatron_lm_context_parallel_size), and counted in the model-parallel grid."""
+    import torch.distributed as dist
+
+    assert MegatronLMPlugin(context_parallel_size=4).context_parallel_size == 4
+    clean_env.setenv("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", "2")
+    p = MegatronLMPlugin(tp_degree=2)
+    assert p.context_parallel_size == 2
+    p.validate(world_size=8)
+    clean_env.setenv("WORLD_SIZE", "6")  # TP2 x CP2 = 4 does not divide 6: refused before any process group
+    with pytest.raises(MegatronPluginConfigError) as err:
+        initialize(p, gpt2_config())
+    assert err.value.setting == "tp_degree*context_parallel_size*pp_degree" and err.value.value == "2*2*1=4"
+    assert "world size 6" in err.value.fix and "multiple of 4" in err.value.fix
+    assert not dist.is_initialized()
+    for bad in ("0", "two"):
+        clean_env.setenv("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", bad)
+        with pytest.raises(MegatronPluginConfigError):
+            MegatronLMPlugin()
+
+
+def _context_parallel_groups():
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    from megatron_plugin.engine.distributed import destroy, initialize
+
+    initialize(MegatronLMPlugin(tp_degree=2, context_parallel_size=2))
+    try:
+        return (parallel_state.get_context_parallel_world_size(), parallel_state.get_context_parallel_rank(),
+                parallel_state.get_context_parallel_global_ranks(), parallel_state.get_data_parallel_world_size(),
+                dist.get_process_group_ranks(parallel_state.get_data_parallel_group(with_context_parallel=True)))
+    finally:
+        destroy()
+
+
+def test_context_parallel_groups_are_megatrons_layout():
+    """TP2 x CP2 on four processes: megatron-core's order tp-cp-dp-pp (a CP group's ranks are TP-size apart),
+    as placement.rank_groups reports it; gradients are reduced over DP x CP."""
+    from megatron_plugin.placement import rank_groups
+    from tests.spawn import run_on_ranks
+
+    got = run_on_ranks(_context_parallel_groups, 4)
+    groups = rank_groups(4, 2, 1, 2)
+    for rank, (cp, cp_rank, cp_ranks, dp, dp_cp_ranks) in enumerate(got):
+        mine = next(list(g) for g in groups["cp"] if rank in g)
+        assert (cp, dp, cp_ranks, cp_rank) == (2, 1, mine, mine.index(rank)), (rank, got[rank])
+        assert cp_ranks == [rank % 2, rank % 2 + 2] and list(dp_cp_ranks) == cp_ranks, (rank, got[rank])
+
+
 def test_heads_not_divisible_by_tp(clean_env):
     import torch.distributed as dist
 
@@ -170,3 +221,66 @@ def test_uneven_last_stage_needs_the_torch_dist_format(clean_env):
                                                          "decoder_last_pipeline_num_layers=1 saves with ckpt_format='torch_dist'"):
         MegatronLMPlugin(pp_degree=2, decoder_last_pipeline_num_layers=1, ckpt_format="megatron_plugin")
     assert MegatronLMPlugin(pp_degree=2, decoder_last_pipeline_num_layers=1).ckpt_format == "torch_dist"
+
+
+def test_questionnaire_asks_the_context_parallel_degree_for_long_sequences(tmp_path, clean_env):
+    """`--long_context yes` asks the context-parallel degree (accelerate's questions stay as they are); the
+    answer, or the --context_parallel_size flag, is written as megatron_lm_context_parallel_size, which the
+    launched processes read back, checked against the process count like the other degrees."""
+    import yaml
+
+    from megatron_plugin.cli import build_parser, main, plugin_from_yaml, run_config
+
+    answers = iter(["yes", "2", "2", "", "", "8", ""])  # cpu, tp, CP, micro-batches, clip, procs, precision
+    printed = []
+    args = build_parser().parse_args(["config", "--config_file", str(tmp_path / "cp.yaml"), "--long_context", "yes"])
+    run_config(args, input_fn=lambda prompt: (printed.append(prompt), next(answers))[1], print_fn=printed.append)
+    assert next(answers, "done") == "done"
+    assert sum("Context Parallelism" in str(p) for p in printed) == 1
+    data = yaml.safe_load((tmp_path / "cp.yaml").read_text())
+    assert data["megatron_lm_config"]["megatron_lm_context_parallel_size"] == 2
+    plugin = plugin_from_yaml(data, str(tmp_path / "cp.yaml"))
+    assert (plugin.tp_degree, plugin.context_parallel_size) == (2, 2)
+    clean_env.setenv("MEGATRON_LM_CONTEXT_PARALLEL_SIZE", "2")  # as accelerate launch hands the key over
+    assert MegatronLMPlugin().context_parallel_size == 2
+    # not asked without --long_context, and no key written
+    answers = iter(["yes", "1", "", "", "2", ""])
+    printed.clear()
+    args = build_parser().parse_args(["config", "--config_file", str(tmp_path / "short.yaml")])
+    run_config(args, input_fn=lambda prompt: (printed.append(prompt), next(answers))[1], print_fn=printed.append)
+    assert not any("Context Parallelism" in str(p) for p in printed)
+    assert "megatron_lm_context_parallel_size" not in yaml.safe_load((tmp_path / "short.yaml").read_text())[
+        "megatron_lm_config"]
+    # the flag alone, and a layout the processes cannot fill, refused under the flags' names before writing
+    assert main(["config", "--config_file", str(tmp_path / "flag.yaml"), "--non_interactive", "--cpu",
+                 "--context_parallel_size", "2", "--num_processes", "2"]) == 0
+    assert yaml.safe_load((tmp_path / "flag.yaml").read_text())["megatron_lm_config"][
+        "megatron_lm_context_parallel_size"] == 2
+    bad = tmp_path / "bad.yaml"
+    assert main(["config", "--config_file", str(bad), "--non_interactive", "--cpu", "--tp", "2",
+                 "--context_parallel_size", "2", "--num_processes", "6"]) == 2
+    assert not bad.exists()
+
+
+def _resolved_batch_geometry():
+    from torch.utils.data import DataLoader
+
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler
+    from tests.models import tiny_llama
+    from tests.training import optimizer_for, token_dataset
+
+    model = tiny_llama()
+    opt = optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(context_parallel_size=2, num_micro_batches=2))
+    acc.prepare(model, opt, MegatronLMDummyScheduler(opt, total_num_steps=2),
+                DataLoader(token_dataset(8, model.config.vocab_size), batch_size=2))
+    p = acc.state.megatron_lm_plugin
+    return p.data_parallel_size, p.micro_batch_size, p.global_batch_size
+
+
+def test_context_parallel_ranks_are_not_data_parallel_replicas():
+    """Two processes at CP=2 are one model replica reading one batch: data_parallel_size 1, and the global batch
+    (which sample-based schedules and indexed datasets count) is the micro-batch times the micro-batches."""
+    from tests.spawn import run_on_ranks
+
+    assert run_on_ranks(_resolved_batch_geometry, 2) == [(1, 2, 4)] * 2

@@ -1,10 +1,8 @@
-"""The model-side seams MoE and context parallelism will use (issue 25, item 5): the layer spec takes an
-MoE MLP, mapping rules expand an expert index, and context parallelism's split and gather points are the
-identity at one rank and refuse more."""
+"""The model-side seams MoE uses (issue 25, item 5): the layer spec takes an MoE MLP and mapping rules
+expand an expert index. (Context parallelism's seams: tests/test_context_parallel.py.)"""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from tests.spawn import run_on_ranks
 
@@ -118,63 +116,3 @@ def test_every_transform_reads_its_own_shard():
             got = read_shard(lambda n: TensorSlice(sd[n]), rule, rule.hf, d, 2, r)
             assert torch.equal(got, shard(full, rule, 2, r))
     assert torch.equal(read_shard(lambda n: TensorSlice(sd[n]), vocab, vocab.hf, d, 2, 1)[4:], torch.zeros(2, 8))
-
-
-def test_context_parallel_identity_at_one_rank():
-    from megatron_plugin.layers.context_parallel import gather_sequence, shard_sequence
-
-    batch = {"input_ids": torch.arange(12).view(2, 6), "attention_mask": torch.ones(2, 6, dtype=torch.long)}
-    out = shard_sequence(batch, 1, 0)
-    assert out is batch and out["input_ids"] is batch["input_ids"]
-    k, v = torch.randn(6, 2, 2, 4), torch.randn(6, 2, 2, 4)
-    gk, gv = gather_sequence(k, v, 1)
-    assert gk is k and gv is v
-
-
-def test_context_parallel_refused_with_the_setting_named():
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_plugin.errors import MegatronPluginConfigError
-    from megatron_plugin.layers.attention import SDPAttention
-    from megatron_plugin.layers.context_parallel import gather_sequence, shard_sequence
-
-    k = torch.zeros(4, 1, 1, 2)
-    for call in (lambda: shard_sequence({"input_ids": torch.zeros(1, 4)}, 2, 1), lambda: gather_sequence(k, k, 2),
-                 lambda: SDPAttention(TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2,
-                                                        context_parallel_size=2), 1, AttnMaskType.causal, "self")):
-        with pytest.raises(MegatronPluginConfigError, match="context_parallel_size=2") as e:
-            call()
-        assert e.value.setting == "context_parallel_size" and e.value.value == 2
-
-
-@pytest.mark.parametrize("causal", [True, False])
-def test_attention_unchanged_through_the_gather(causal, monkeypatch):
-    """SDPAttention's output equals SDPA's on the same tensors, and its keys and values pass through
-    `gather_sequence` (one rank: untouched)."""
-    from megatron.core.transformer.enums import AttnMaskType
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_plugin.layers import attention, context_parallel
-
-    seen = []
-
-    def spy(key, value, cp_size):
-        seen.append((key, value, cp_size))
-        return context_parallel.gather_sequence(key, value, cp_size)
-
-    monkeypatch.setattr(attention, "gather_sequence", spy)
-    heads, groups, d, s, b = 4, 2, 8, 6, 2
-    cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads, num_query_groups=groups,
-                            kv_channels=d, attention_dropout=0.0)
-    mask_type = AttnMaskType.causal if causal else AttnMaskType.padding
-    attn = attention.SDPAttention(cfg, 1, mask_type, "self").eval()
-    g = torch.Generator().manual_seed(0)
-    q = torch.randn(s, b, heads, d, generator=g)
-    k, v = torch.randn(s, b, groups, d, generator=g), torch.randn(s, b, groups, d, generator=g)
-    got = attn(q, k, v, None)
-    assert len(seen) == 1 and seen[0][0] is k and seen[0][1] is v and seen[0][2] == 1
-    qb, kb, vb = (t.permute(1, 2, 0, 3) for t in (q, k.repeat_interleave(2, 2), v.repeat_interleave(2, 2)))
-    want = F.scaled_dot_product_attention(qb, kb, vb, is_causal=causal).permute(2, 0, 1, 3).reshape(s, b, heads * d)
-    assert got.shape == want.shape
-    assert (got - want).abs().max().item() < 1e-5

@@ -59,8 +59,16 @@ class AbstractTrainStep:
         the whole local batch before any collective; every rank raises if one rank's batch is bad."""
         return None
 
+    def before_sequence_split(self, micro_batch):
+        """The micro-batch (a dict, whole sequences) with what must be computed over the whole sequence
+        before context parallelism splits it along the sequence over the CP ranks, e.g. labels shifted to
+        the position that predicts them (a shift crosses the chunks' edges). Called only when CP > 1; the
+        split then cuts every [rows, sequence] tensor of the result (layers/context_parallel.shard_sequence)."""
+        return micro_batch
+
     def schedule_shape(self, micro_batch):
-        """(rows, tokens) of the activations one micro-batch sends between pipeline stages."""
+        """(rows, tokens) of the activations one micro-batch sends between pipeline stages (under context
+        parallelism the micro-batch is this CP rank's part: its tokens)."""
         rows, tokens = micro_batch[self.input_key].shape[:2]
         return rows, tokens
 

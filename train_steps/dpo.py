@@ -11,8 +11,9 @@ from megatron_plugin.errors import MegatronPluginConfigError
 
 from .gpt import IGNORE_INDEX, GPTTrainStep
 from .policy import PolicyOutput, check_known, check_number
-from .utils import (avg_losses_across_data_parallel_group, per_token_log_probs, per_token_loss_result,
-                    sum_across_data_parallel_group)
+from .utils import (avg_losses_across_data_parallel_group, context_parallel_size, count_on_first_context_parallel_rank,
+                    per_token_log_probs, per_token_loss_result, sum_across_data_parallel_group,
+                    sum_over_context_parallel)
 
 SIDES = ("chosen", "rejected")
 
@@ -59,6 +60,9 @@ class DPOTrainStep(GPTTrainStep):
     `custom_train_step_kwargs`: beta (0.1), label_smoothing (0).
     With an MoE model the router losses join 'loss' as in GPTTrainStep (train_steps/moe.py), and the
     attention masks reach the routers.
+    Context parallelism: the two sides are joined (padded to the longer) before the sequence is split; each
+    pair's summed log-probs are added over the CP ranks, and the loss is computed from them alike on every
+    CP rank (train_steps/utils.py), so the gradients equal one rank's.
     """
 
     model_output_class = PolicyOutput
@@ -84,8 +88,20 @@ class DPOTrainStep(GPTTrainStep):
             raise MegatronPluginConfigError("custom_train_step_kwargs['label_smoothing']", ls,
                                             "pass a value in [0, 0.5)")
 
+    # under context parallelism the two sides are joined before the split (`before_sequence_split`): the
+    # model runs on these keys, this CP rank's part of the joined rows
+    JOINED = ("input_ids", "attention_mask", "shift_labels")
+
+    def before_sequence_split(self, micro_batch):
+        joined = concatenated(micro_batch)
+        joined["shift_labels"] = self._shifted_labels(joined)
+        del joined["labels"]
+        return {**micro_batch, **joined}
+
     def schedule_shape(self, micro_batch):
         rows = micro_batch["chosen_input_ids"].shape[0]
+        if "input_ids" in micro_batch:  # joined and split over CP ranks: this rank's tokens
+            return 2 * rows, micro_batch["input_ids"].shape[1]
         return 2 * rows, max(micro_batch[f"{side}_input_ids"].shape[1] for side in SIDES)
 
     def count_loss_tokens(self, batch):
@@ -132,15 +148,20 @@ class DPOTrainStep(GPTTrainStep):
     def get_forward_step_func(self):
         def forward_step(data_iterator, model):
             data = next(data_iterator)
-            output, targets, shift = self.forward_logits(concatenated(data), model)
+            joined = {k: data[k] for k in self.JOINED} if "input_ids" in data else concatenated(data)
+            output, targets, shift = self.forward_logits(joined, model)
             return output, self.with_router_losses(model, partial(self.loss_func, data, targets, shift))
 
         return forward_step
 
     def get_loss_func(self, *args, **kwargs):
         def loss_func(data, targets, shift, output_tensor):
-            log_probs = per_token_log_probs(output_tensor, targets, shift, self.true_vocab)
-            summed = log_probs.sum(-1)  # 0 where the label is -100
+            # under CP the values stay at the positions that score them (a shift within this rank's two chunks
+            # would drop the last one's): their sum is this rank's part of the row's, added over the CP ranks
+            # (alike on every CP rank); the shift only moves values along the row, the last position scores nothing
+            cp = context_parallel_size() > 1
+            log_probs = per_token_log_probs(output_tensor, targets, 0 if cp else shift, self.true_vocab)
+            summed = sum_over_context_parallel(log_probs.sum(-1))  # 0 where the label is -100
             rows = data["chosen_input_ids"].shape[0]
             chosen = self.beta * (summed[:rows] - data["ref_chosen_logps"].float())
             rejected = self.beta * (summed[rows:] - data["ref_rejected_logps"].float())
@@ -151,8 +172,10 @@ class DPOTrainStep(GPTTrainStep):
                 pairs = margin.new_tensor(float(rows))
                 parts = {"loss": per_pair.sum(), "reward accuracy": (chosen > rejected).float().sum(),
                          "chosen reward": chosen.sum(), "rejected reward": rejected.sum(), "reward margin": margin.sum()}
-                reduced = sum_across_data_parallel_group([(v, pairs) for v in parts.values()])
-                return per_token_loss_result(parts["loss"], pairs, dict(zip(parts, reduced)))
+                reduced = sum_across_data_parallel_group([(v, pairs) for v in parts.values()],
+                                                         replicated_over_context_parallel=cp)
+                return per_token_loss_result(parts["loss"], count_on_first_context_parallel_rank(pairs),
+                                             dict(zip(parts, reduced)))
             loss = per_pair.mean()
             values = {"reward accuracy": (chosen > rejected).float().mean(), "chosen reward": chosen.mean(),
                       "rejected reward": rejected.mean(), "reward margin": margin.mean()}

@@ -4,11 +4,12 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithCrossAttentions
 
 from megatron_plugin.errors import MegatronPluginConfigError
+from megatron_plugin.layers.context_parallel import tokens_over_context_parallel
 from megatron_plugin.models.causal import causal_lm_inputs
 
 from .base import AbstractTrainStep
 from .moe import MoESupport, unwrap_model
-from .utils import avg_losses_across_data_parallel_group, per_token_loss_result, sum_across_data_parallel_group
+from .utils import avg_context_parallel_parts_across_data_parallel_group, per_token_loss_result, sum_across_data_parallel_group
 
 IGNORE_INDEX = -100
 
@@ -42,7 +43,12 @@ class GPTTrainStep(AbstractTrainStep):
     MoE models (train_steps/moe.py): the batch's attention mask reaches the routers as mcore's `padding_mask`,
     and each micro-batch's loss gets HF's load-balancing loss times `moe_aux_loss_coeff` (and the z-loss times
     `moe_z_loss_coeff`); 'lm loss' stays the LM loss, 'load_balancing_loss' is logged apart, and the step
-    returns their sum ('loss')."""
+    returns their sum ('loss').
+
+    Context parallelism: the labels are shifted over the whole sequence before the split
+    (`before_sequence_split`); each CP rank's loss is its tokens' sum over the CP-wide token count, which the
+    engines scale by CP and average over DP x CP (as megatron-core's schedules and DDP do), so the gradients
+    and the logged 'lm loss' (the CP ranks' parts added) are those of one rank holding the whole sequence."""
 
     model_output_class = CausalLMOutputWithCrossAttentions
     same_shape = (("labels", "input_ids", "one label per token (-100 where none)"),
@@ -87,6 +93,12 @@ class GPTTrainStep(AbstractTrainStep):
     def count_loss_tokens(self, batch):
         return self._targets(batch)[1].sum()
 
+    def before_sequence_split(self, micro_batch):
+        # position t's target is token t + 1, which sits in another chunk at the chunks' edges
+        if micro_batch.get("shift_labels") is not None:
+            return micro_batch
+        return {**micro_batch, "shift_labels": self._shifted_labels(micro_batch)}
+
     def get_batch_func(self, *args, **kwargs):
         def get_batch(data_iterator):
             """-> tokens, labels (ignored positions set to 0), loss_mask, attention_mask, position_ids"""
@@ -127,8 +139,9 @@ class GPTTrainStep(AbstractTrainStep):
                 if logits is not None:
                     logs["logits"] = logits
                 return per_token_loss_result(total, count, logs)
-            loss = total / loss_mask.sum().clamp_min(1.0)
-            averaged = avg_losses_across_data_parallel_group([loss])
+            # under CP: this rank's part of the mean over the whole sequences' tokens (the parts add up to it)
+            loss = total / tokens_over_context_parallel(loss_mask.sum()).clamp_min(1.0)
+            averaged = avg_context_parallel_parts_across_data_parallel_group([loss])
             logs = {"lm loss": averaged[0]}
             if logits is not None:
                 logs["logits"] = logits

@@ -19,8 +19,9 @@ from transformers.utils import ModelOutput
 from megatron_plugin.errors import MegatronPluginConfigError
 
 from .gpt import IGNORE_INDEX, GPTTrainStep
-from .utils import (avg_losses_across_data_parallel_group, per_token_log_probs, per_token_loss_result, shift_to_tokens,
-                    sum_across_data_parallel_group)
+from .utils import (avg_losses_across_data_parallel_group, context_parallel_size, count_on_first_context_parallel_rank,
+                    per_token_log_probs, per_token_loss_result, shift_to_tokens, sum_across_data_parallel_group,
+                    whole_sequence, whole_sequence_no_grad)
 
 AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
@@ -112,6 +113,10 @@ class PolicyGradientTrainStep(GPTTrainStep):
     With an MoE model the router losses join 'loss' as in GPTTrainStep (train_steps/moe.py), and the
     attention mask reaches the routers.
 
+    Context parallelism: each CP rank's per-token log-probs (and entropy) are gathered into whole sequences,
+    and the loss is computed from them alike on every CP rank, so aggregations per sequence and the
+    token alignment are those of one rank; the gradients (the CP ranks' parts added) equal it too.
+
     `custom_train_step_kwargs`: clip_range (0.2), clip_range_high (default: clip_range; DAPO's clip-higher
     uses e.g. 0.28), kl_coef (0), entropy_coef (0), temperature (1.0; the sampling temperature) and
     loss_aggregation ('token-mean', 'seq-mean-token-mean' as GRPO's paper, 'seq-mean-token-sum').
@@ -178,11 +183,28 @@ class PolicyGradientTrainStep(GPTTrainStep):
 
         return forward_step
 
+    def _whole_sequence_inputs(self, data, targets, shift, output_tensor, with_entropy):
+        """Under context parallelism: (log-probs, entropy, targets, the batch's per-token tensors) of the whole
+        sequences, token-aligned, identical on every CP rank (train_steps/utils.py: a loss computed alike on
+        every CP rank; its gradient reaches each rank's own positions)."""
+        result = per_token_log_probs(output_tensor, targets, 0, self.true_vocab, self.temperature, with_entropy)
+        local = result if with_entropy else (result, None)
+        log_probs, entropy = (None if t is None else shift_to_tokens(whole_sequence(t), shift) for t in local)
+        data = {**data, **{k: whole_sequence_no_grad(data[k]) for k in ("old_log_probs", "ref_log_probs", "advantages")
+                           if torch.is_tensor(data.get(k)) and data[k].dim() == 2}}
+        return log_probs, entropy, whole_sequence_no_grad(targets), data
+
     def get_loss_func(self, *args, **kwargs):
         def loss_func(data, targets, shift, output_tensor):
             with_entropy = self.entropy_coef > 0
-            result = per_token_log_probs(output_tensor, targets, shift, self.true_vocab, self.temperature, with_entropy)
-            log_probs, entropy = result if with_entropy else (result, None)
+            cp = context_parallel_size() > 1
+            if cp:
+                log_probs, entropy, targets, data = self._whole_sequence_inputs(data, targets, shift, output_tensor,
+                                                                                with_entropy)
+            else:
+                result = per_token_log_probs(output_tensor, targets, shift, self.true_vocab, self.temperature,
+                                             with_entropy)
+                log_probs, entropy = result if with_entropy else (result, None)
             mask = shift_to_tokens((targets != IGNORE_INDEX).float(), shift)
             on = mask > 0
             old = data["old_log_probs"].float()
@@ -211,7 +233,8 @@ class PolicyGradientTrainStep(GPTTrainStep):
             total, count = aggregate_parts(per_token, mask, how)
             parts = {"loss": (total, count), **parts}
             if self.per_token_loss:
-                return per_token_loss_result(total, count, dict(zip(parts, sum_across_data_parallel_group(parts.values()))))
+                logs = dict(zip(parts, sum_across_data_parallel_group(parts.values(), replicated_over_context_parallel=cp)))
+                return per_token_loss_result(total, count_on_first_context_parallel_rank(count), logs)
             means = [s / c.clamp_min(1.0) for s, c in parts.values()]
             return means[0], dict(zip(parts, avg_losses_across_data_parallel_group(means)))
 

@@ -28,7 +28,7 @@ from megatron.core import parallel_state
 
 from ..errors import MegatronPluginConfigError
 from ..layers.comm import gather_tensor_parallel_last_dim
-from ..layers.context_parallel import shard_sequence
+from ..layers.context_parallel import shard_sequence, unshard
 from ..models.modeling import MegatronModel
 from .batch_check import BatchCheck, DeferredCheck, NoLossInStep
 from .expert_group import check_same_shapes
@@ -213,7 +213,18 @@ class MegatronEngine(torch.nn.Module):
         batch = {k: v.to(self.device) for k, v in tensors.items()}
         cp_size = parallel_state.get_context_parallel_world_size()
         cp_rank = parallel_state.get_context_parallel_rank()
-        return [shard_sequence({k: v.chunk(n)[i] for k, v in batch.items()}, cp_size, cp_rank) for i in range(n)]
+        micro = [{k: v.chunk(n)[i] for k, v in batch.items()} for i in range(n)]
+        if cp_size == 1:
+            return micro
+        # what needs the whole sequence (shifted labels, DPO's joined sides), before the split
+        split = getattr(step, "before_sequence_split", None)
+        micro = [split(mb) for mb in micro] if split is not None else micro
+        ids = [mb.get("input_ids") for mb in micro]
+        if all(torch.is_tensor(t) and t.dim() == 2 for t in ids) and any(t.shape[1] % (2 * cp_size) for t in ids):
+            # left whole: the batch check refuses the length on every rank together (its all-reduce); raising
+            # here, on the ranks whose batch has it, would leave the other data-parallel ranks waiting there
+            return micro
+        return [shard_sequence(mb, cp_size, cp_rank) for mb in micro]
 
     def _batch_tensors(self, batch, step) -> Dict[str, torch.Tensor]:
         """The batch's tensors, refused unless they are token ids (and what goes with them) whose rows
@@ -293,11 +304,12 @@ class MegatronEngine(torch.nn.Module):
         return average_logs(collected), self._collect_logits(collected)
 
     def _collect_logits(self, collected):
-        """Logits of the whole batch, gathered over TP and cut to the true vocabulary (last stage)."""
+        """Logits of the whole batch, gathered over TP (and under context parallelism over the CP ranks, in
+        sequence order) and cut to the true vocabulary (last stage)."""
         parts = [c["logits"] for c in collected if "logits" in c]
         if not parts:
             return None
-        full = gather_tensor_parallel_last_dim(torch.cat(parts))
+        full = gather_tensor_parallel_last_dim(unshard(torch.cat(parts), 1))
         return full[..., : self.model.hf_config.vocab_size]
 
     # -- post-training --------------------------------------------------------------------------------

@@ -23,6 +23,7 @@ the copy, while the GPU computes. A bad batch still raises before any backward o
 from __future__ import annotations
 
 import functools
+import math
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -76,6 +77,21 @@ def replica_position(slot: int, layout: Tuple[int, int, int]) -> str:
     tp, cp, pp = layout
     parts = [("tp rank", slot % tp, tp), ("cp rank", slot // tp % cp, cp), ("pp stage", slot // (tp * cp), pp)]
     return ", ".join(f"{name} {i}" for name, i, size in parts if size > 1)
+
+
+def _tell_shard(micro_batch: Dict[str, torch.Tensor], key: str, fact: bool) -> None:
+    """Under context parallelism the keys' mask is built from the WHOLE attention mask / position ids the
+    sequence shard carries (layers/context_parallel.SequenceShard): they get the fact too, so that building
+    the mask reads nothing from the device. A whole row without padding (or packing) has none in any part."""
+    from ..layers.context_parallel import shard_of
+
+    if key not in ("attention_mask", "position_ids"):
+        return
+    for value in micro_batch.values():
+        shard = shard_of(value) if torch.is_tensor(value) else None
+        whole = getattr(shard, key, None)
+        if torch.is_tensor(whole):
+            setattr(whole, KNOWN, fact)
 
 
 class NoLossInStep(Exception):
@@ -136,6 +152,7 @@ class Findings:
     iteration: int
     error: Optional[Exception] = None
     layout: Tuple[int, int, int] = (1, 1, 1)  # the model replica's (tp, cp, pp): one checksum slot per rank
+    sequence_parallel: bool = False  # the model splits each rank's sequence over its TP ranks
     fact_keys: Sequence[str] = ()
     micro_batches: Sequence[Dict[str, torch.Tensor]] = ()
 
@@ -160,7 +177,10 @@ class Findings:
         ok = self.verdict(everyone, mine)
         for k in self.fact_keys:
             for mb in self.micro_batches:
-                setattr(mb[k], KNOWN, bool(next(read)))
+                fact = bool(next(read))
+                setattr(mb[k], KNOWN, fact)
+                if self.layout[1] > 1:
+                    _tell_shard(mb, k, fact)
         return ok
 
     def check_one_batch_per_replica(self, sums: List[int]) -> None:
@@ -226,19 +246,67 @@ class Findings:
         return safe
 
 
+def sequence_multiple(layout: Tuple[int, int, int], sequence_parallel: bool) -> int:
+    """What every sequence length must be a multiple of: 2 x CP (the load-balanced chunks of context
+    parallelism), times what sequence parallelism adds (it splits each rank's 2 x L tokens over TP)."""
+    tp, cp, _ = layout
+    chunks = 2 * cp if cp > 1 else 1
+    split = cp * tp if sequence_parallel and tp > 1 else 1
+    return chunks * split // math.gcd(chunks, split)
+
+
+def split_lengths(found: Findings) -> List[Tuple[str, int]]:
+    """(name, length) of each sequence the model runs on. Under context parallelism that is what the engine
+    splits: each micro-batch's `input_ids` after the train step's `before_sequence_split` (DPO's chosen and
+    rejected rows joined, padded to the longer), whole whether or not it was split yet; else every ids key."""
+    from ..layers.context_parallel import shard_of
+
+    if found.layout[1] > 1 and found.micro_batches and all("input_ids" in mb for mb in found.micro_batches):
+        name = "input_ids" if "input_ids" in found.batch else " and ".join(found.id_keys) + " (joined)"
+        lengths = []
+        for mb in found.micro_batches:
+            shard = shard_of(mb["input_ids"])
+            lengths.append((name, shard.seq_len if shard is not None else mb["input_ids"].shape[-1]))
+        return lengths
+    return [(k, found.batch[k].shape[-1]) for k in found.id_keys]
+
+
+def context_parallel_error(found: Findings) -> Optional[MegatronPluginConfigError]:
+    """Under context parallelism each sequence is cut into 2 x CP equal chunks (layers/context_parallel.py):
+    a length that 2 x CP does not divide is refused (on every rank, through the check's all-reduce) before
+    any forward. The engine does not pad it: padded positions would change what the model returns."""
+    cp = found.layout[1]
+    if cp == 1:
+        return None
+    for k, length in split_lengths(found):
+        if length % (2 * cp):
+            m = sequence_multiple(found.layout, found.sequence_parallel)
+            return MegatronPluginConfigError(
+                "context_parallel_size", cp,
+                f"the sequence length {length} of {k!r} must be a multiple of 2 x context_parallel_size = {2 * cp} "
+                f"(each sequence is cut into {2 * cp} equal chunks): pad sequences to a multiple of {m}, e.g. "
+                f"pad_to_multiple_of={m} in the collator (DataCollatorForLanguageModeling, DataCollatorForSeq2Seq) "
+                "or the tokenizer, with the padding's labels -100; or use context_parallel_size=1",
+            )
+    return None
+
+
 def sequence_parallel_error(found: Findings, plugin) -> Optional[MegatronPluginConfigError]:
     """Under sequence parallelism megatron-core splits the sequence evenly over the TP ranks: a length that
-    tp_degree does not divide is refused (on every rank, through the check's all-reduce), before the step."""
-    tp = found.layout[0]
+    tp_degree does not divide is refused (on every rank, through the check's all-reduce), before the step.
+    Under context parallelism that is each rank's part of the sequence, length / context_parallel_size."""
+    tp, cp, _ = found.layout
     if tp == 1 or not getattr(plugin, "sequence_parallelism", False):
         return None
-    for k in found.id_keys:
-        length = found.batch[k].shape[-1]
-        if length % tp:
+    m = sequence_multiple(found.layout, True)
+    for k, length in split_lengths(found):
+        if length % m:
+            across = f"tp_degree={tp}" if cp == 1 else (
+                f"tp_degree x context_parallel_size = {tp * cp} (and of 2 x context_parallel_size = {2 * cp})")
             return MegatronPluginConfigError(
                 "sequence_parallelism", True,
-                f"the sequence length {length} of {k!r} must be a multiple of tp_degree={tp}: pad the batches to a "
-                f"multiple of {tp} (e.g. the tokenizer's pad_to_multiple_of={tp}), or set sequence_parallelism=False",
+                f"the sequence length {length} of {k!r} must be a multiple of {across}: pad the batches to a "
+                f"multiple of {m} (e.g. the tokenizer's pad_to_multiple_of={m}), or set sequence_parallelism=False",
             )
     return None
 
@@ -264,11 +332,11 @@ class BatchCheck:
         so the train step need not read the device for them once per micro-batch. The forward needs
         them before it is queued, so a batch with such keys is read here, even with `defer`."""
         found = self._look(batch, step, iteration)
+        found.micro_batches = micro_batches  # under CP their lengths are the ones split (split_lengths)
         local = self._flags(found, step, need_loss)
         status = torch.cat([local, self._replica_checksums(found)])
         if dist.get_world_size() > 1:
             dist.all_reduce(status)
-        found.micro_batches = micro_batches
         found.fact_keys = [k for k, v in batch.items() if torch.is_tensor(v) and v.dim() == 2 and micro_batches
                            and (k.endswith("attention_mask") or k == "position_ids")]
         values = torch.cat([status, local, *self._facts(found)])
@@ -287,7 +355,8 @@ class BatchCheck:
         out_of_range.update({k: ((batch[k] < 0) & (batch[k] != -100)) | (batch[k] >= vocab) for k in label_keys})
         length = max(batch[k].shape[1] for k in id_keys if batch[k].dim() == 2)
         return Findings(batch, id_keys, label_keys, out_of_range, vocab, self.model.family.position_limit(cfg),
-                        length, iteration, layout=replica_layout())
+                        length, iteration, layout=replica_layout(),
+                        sequence_parallel=bool(getattr(self.model.plugin, "sequence_parallelism", False)))
 
     def _replica_checksums(self, found: Findings) -> torch.Tensor:
         """This rank's batch checksum in its slot of the model replica, zeros in the others (summed over
@@ -315,7 +384,8 @@ class BatchCheck:
         tokens = step.count_loss_tokens(found.batch) if need_loss else None
         loss_tokens = const(1) if tokens is None else tokens.to(self.device, torch.int64).reshape(())
         try:  # the shapes the step pairs, the sequence split, then (for a loss) the step's own check
-            found.error = (step.check_shapes(found.batch) or sequence_parallel_error(found, self.model.plugin)
+            found.error = (step.check_shapes(found.batch) or context_parallel_error(found)
+                           or sequence_parallel_error(found, self.model.plugin)
                            or (step.check_batch(found.batch) if need_loss else None))
         except Exception as e:  # raised by the verdict, once every rank knows
             found.error = e

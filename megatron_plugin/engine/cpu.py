@@ -4,6 +4,10 @@ Its training step runs the micro-batches forward and backward one by one, averag
 data-parallel ranks, clips them to the global norm and steps the torch optimizer the user passed
 (rebuilt over the Megatron parameters) and the LR scheduler. Everything else is `MegatronEngine`'s.
 
+Under context parallelism the gradients are averaged over the data- and context-parallel ranks together, and a
+mean loss is first multiplied by the CP size, as megatron-core's schedules and DDP do (the train steps make
+each CP rank's loss its part of the whole sequences' loss: train_steps/gpt.py, train_steps/utils.py).
+
 With calculate_per_token_loss it does what megatron-core's schedules and finalize_model_grads do: each
 micro-batch's backward runs on its loss sum, the gradients are summed over data-parallel ranks and divided
 by the step's token count over all of them, so they are those of the mean over the global batch's tokens.
@@ -32,8 +36,25 @@ from .base import MegatronEngine, average_logs
 
 class CPUEngine(MegatronEngine):
     def _train_step(self, micro_batches):
+        collected = self.accumulate_gradients(micro_batches)
+        self.last_grad_norm = self.clip_gradients()
+        self.last_step_skipped = not math.isfinite(self.last_grad_norm)
+        if not self.last_step_skipped:
+            self.optimizer.step()
+            if self.scheduler is not None:
+                self.scheduler.step(1)
+        self.optimizer.zero_grad(set_to_none=True)
+        self.iteration += 1
+        return average_logs(collected)
+
+    def accumulate_gradients(self, micro_batches) -> List[Dict[str, torch.Tensor]]:
+        """Forward and backward of every micro-batch, the gradients reduced (`reduce_gradients`), before
+        clipping: each micro-batch's logs. A mean loss is scaled as megatron-core's schedules scale it:
+        divided by the micro-batch count and, a (loss, logs) result, multiplied by the context-parallel size
+        (the reduction averages over DP x CP ranks, whose parts of a sequence add up to its loss)."""
         n = len(micro_batches)
         per_token = bool(getattr(self.plugin, "calculate_per_token_loss", False))
+        cp = parallel_state.get_context_parallel_world_size()
         tokens = torch.zeros((), dtype=torch.float64, device=self.device)
         collected: List[Dict[str, torch.Tensor]] = []
         for i, mb in enumerate(micro_batches):
@@ -52,32 +73,28 @@ class CPUEngine(MegatronEngine):
                 tokens += result[1]
             elif len(result) == 3:  # Megatron-LM's contract without per-token loss: the micro-batch's mean
                 loss = loss / result[1].clamp(min=1)
+            elif cp > 1:
+                loss = loss * cp
             (loss if per_token else loss / n).backward()
             collected.append(logs)
         self.reduce_gradients(tokens if per_token else None)
-        self.last_grad_norm = self.clip_gradients()
-        self.last_step_skipped = not math.isfinite(self.last_grad_norm)
-        if not self.last_step_skipped:
-            self.optimizer.step()
-            if self.scheduler is not None:
-                self.scheduler.step(1)
-        self.optimizer.zero_grad(set_to_none=True)
-        self.iteration += 1
-        return average_logs(collected)
+        return collected
 
     def _params(self):
         return [p for p in self.model.parameters() if p.requires_grad]
 
     @torch.no_grad()
     def reduce_gradients(self, tokens=None):
-        """Average the gradients over data-parallel ranks, and sum those TP ranks computed apart. With
+        """Average the gradients over data-parallel (x context-parallel) ranks, and sum those TP ranks computed apart. With
         `tokens` (this rank's loss tokens, calculate_per_token_loss) sum them, and divide by the tokens of
         every data-parallel rank (megatron-core's finalize_model_grads with num_tokens). Expert parameters
         are summed over the expert-data-parallel group and divided like the dense ones (module docstring)."""
         params = [p for p in self._params() if p.grad is not None]
         grads = [p.grad for p in params if is_dense(p)]
         expert_grads = [p.grad for p in params if not is_dense(p)]
-        dp = parallel_state.get_data_parallel_group(with_context_parallel=tokens is not None)
+        # the CP ranks of a replica hold parts of the same sequences: their gradients are reduced with the DP ranks'
+        cp = parallel_state.get_context_parallel_world_size()
+        dp = parallel_state.get_data_parallel_group(with_context_parallel=tokens is not None or cp > 1)
         dp_size = dist.get_world_size(dp)
         _sum_over(grads, dp)
         if expert_grads:

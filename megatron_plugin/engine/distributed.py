@@ -74,7 +74,7 @@ def initialize(plugin: MegatronLMPlugin, hf_config=None) -> Layout:
 
 
 def start(plugin: MegatronLMPlugin, num_layers=None, timeout_minutes: int = 30) -> Layout:
-    """Collective: torch.distributed, mcore's TP x PP x DP groups and the seeds, from checked settings.
+    """Collective: torch.distributed, mcore's TP x CP x PP x DP groups and the seeds, from checked settings.
     `timeout_minutes`: of megatron-core's groups (and of the world group when it is started here; under
     accelerate, accelerate starts it, with InitProcessGroupKwargs(timeout=...))."""
     device = init_process_group(timeout_minutes)
@@ -84,6 +84,9 @@ def start(plugin: MegatronLMPlugin, num_layers=None, timeout_minutes: int = 30) 
             tensor_model_parallel_size=plugin.tp_degree,
             pipeline_model_parallel_size=plugin.pp_degree,
             virtual_pipeline_model_parallel_size=vpp,
+            # megatron-core's default order tp-cp-ep-dp-pp: a CP group's ranks are TP-size apart, as
+            # placement.rank_groups reports them
+            context_parallel_size=plugin.context_parallel_size or 1,
             expert_model_parallel_size=plugin.expert_model_parallel_size,
             # None: megatron-core's default, the tensor-parallel size
             expert_tensor_parallel_size=plugin.expert_tensor_parallel_size,

@@ -6,6 +6,10 @@
 - the forward-backward schedules: no pipelining, 1F1B, or interleaved 1F1B with virtual stages,
 - `finalize_model_grads`: DP reduction, sequence-parallel norm grads over TP, tied embeddings over PP.
 
+Context parallelism is megatron-core's own case here too: DDP averages the gradients over the DP x CP ranks,
+and the schedules multiply a (loss, logs) loss by the CP size; the train steps return each CP rank's part of
+the whole sequences' loss (train_steps/gpt.py, train_steps/utils.py), so the gradients are one rank's.
+
 MoE experts split over expert-parallel ranks (`allreduce = False`) are megatron-core's own case: DDP keeps
 them in expert buffers summed over the expert-data-parallel group (each scaled by 1 / DP size first), and
 get_megatron_optimizer chains an expert optimizer whose gradient norm is reduced over the expert
@@ -246,12 +250,15 @@ class MegatronCoreEngine(MegatronEngine):
     def _run_schedule(self, micro_batches, forward_only: bool, forward_step=None, step=None):
         n = len(micro_batches)
         step = step or self.train_step_handler
-        b, s = step.schedule_shape(micro_batches[0])
+        b, s = step.schedule_shape(micro_batches[0])  # s: this context-parallel rank's tokens
         tp = parallel_state.get_tensor_model_parallel_world_size()
+        cp = parallel_state.get_context_parallel_world_size()
         if self.plugin.sequence_parallelism and s % tp:
+            each = f" ({s} on each of the {cp} context-parallel ranks, the part to be a multiple)" if cp > 1 else ""
             raise MegatronPluginConfigError(
-                "sequence_parallelism", True, f"the sequence length {s} must be a multiple of tp_degree={tp}"
+                "sequence_parallelism", True, f"the sequence length {s * cp}{each} must be a multiple of tp_degree={tp}"
             )
+        # the schedules take the whole sequence's length and divide it by the CP size for the p2p shapes
         chunks = list(self.wrapped)
         iters = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
         forward_step = forward_step or step.forward_step
@@ -266,7 +273,7 @@ class MegatronCoreEngine(MegatronEngine):
             data_iterator=iters,
             model=chunks if len(chunks) > 1 else chunks[0],
             num_microbatches=n,
-            seq_length=s,
+            seq_length=s * cp,
             micro_batch_size=b,
             forward_only=forward_only,
         )

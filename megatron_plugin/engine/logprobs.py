@@ -6,7 +6,9 @@ being gathered: each TP rank reduces its own slice, and a few numbers per positi
 
 `LogProbs` is the engine's `compute_log_probs`. How the micro-batches run forward only and how their
 rows reach every rank is the engine's (`run_forward_only`, `gather_rows`): the CUDA engine runs them
-through the pipeline schedule and sends the last stage's rows to the other stages.
+through the pipeline schedule and sends the last stage's rows to the other stages. Under context
+parallelism each CP rank scores its part of the sequence and the rows are gathered whole (`unshard`)
+before the shift to the tokens, so every CP rank returns the whole [b, s].
 """
 
 from __future__ import annotations
@@ -16,8 +18,10 @@ from collections.abc import Mapping
 from functools import partial
 
 import torch
+from megatron.core import parallel_state
 
 from ..errors import MegatronPluginConfigError
+from ..layers.context_parallel import unshard
 from .expert_group import check_same_shapes
 
 
@@ -30,10 +34,17 @@ def check_temperature(temperature) -> float:
 
 
 def _loss(targets, shift, true_vocab, temperature, entropy, output):
-    from train_steps.utils import per_token_log_probs
+    from train_steps.utils import per_token_log_probs, shift_to_tokens
 
-    result = per_token_log_probs(output, targets, shift, true_vocab, temperature, entropy)
-    log_probs, ent = result if entropy else (result, None)
+    if parallel_state.get_context_parallel_world_size() == 1:
+        result = per_token_log_probs(output, targets, shift, true_vocab, temperature, entropy)
+        log_probs, ent = result if entropy else (result, None)
+    else:
+        # this CP rank's positions are two chunks of the sequence: a value moves `shift` places to its
+        # token across the chunks' edges only once the whole sequence is in order
+        result = per_token_log_probs(output, targets, 0, true_vocab, temperature, entropy)
+        log_probs, ent = (None if t is None else shift_to_tokens(unshard(t, 1), shift)
+                          for t in (result if entropy else (result, None)))
     logs = {"log_probs": log_probs}
     if ent is not None:
         logs["entropy"] = ent

@@ -493,6 +493,16 @@ def megatron_generate(model, inputs: torch.Tensor, attention_mask: Optional[torc
     """
     if kwargs:
         raise MegatronPluginConfigError("megatron_generate", sorted(kwargs), "unknown arguments")
+    cp = parallel_state.get_context_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
+    if cp > 1:
+        # decoding adds one token at a time: nothing to split along the sequence, and the KV cache would be
+        # split over the CP ranks
+        raise MegatronPluginConfigError(
+            "context_parallel_size", cp,
+            "generate with a CP=1 layout: save the model (accelerator.save_state / save_pretrained) and load the "
+            "same checkpoint in a run with context_parallel_size=1 (the data-parallel size grows by the CP size), "
+            "or generate with an inference engine fed by model.iter_hf_weights()",
+        )
     engine = model if hasattr(model, "chunks") else None
     stage = engine.model if engine is not None else model
     plugin = stage.plugin

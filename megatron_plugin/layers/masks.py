@@ -60,13 +60,17 @@ def packed_sequence_ids(position_ids: torch.Tensor) -> Optional[torch.Tensor]:
 
 
 def attention_mask_4d(attention_mask: Optional[torch.Tensor], seq_len: int, position_ids: Optional[torch.Tensor] = None,
-                      window: Optional[int] = None, past: int = 0, device=None) -> Optional[torch.Tensor]:
+                      window: Optional[int] = None, past: int = 0, device=None,
+                      queries: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
     """Causal mask for `seq_len` new queries after `past` cached keys.
 
     attention_mask: HF padding mask [b, past + seq_len] (1 = token), or None.
     position_ids: [b, seq_len]; as in HF, read only when there is no attention_mask and no cache:
         restarting positions mark packed sequences, which then attend only within themselves.
     window: keys `window` or more tokens behind a query are masked (Mistral's sliding window).
+    queries: under context parallelism, the global positions ([q] long, in the rank's local order) of the
+        query rows, with `seq_len`, `attention_mask` and `position_ids` those of the WHOLE sequence (the
+        keys): the mask is then [b, 1, q, seq_len] (None still means plain causal, by global positions).
     A query row that sees no key at all (a left-padding position) stays fully masked: torch's SDPA
     then returns zeros for it, as it does under HF's own SDPA mask, so even the loss at the last padding
     position (it predicts the first token) equals HF's.
@@ -82,7 +86,7 @@ def attention_mask_4d(attention_mask: Optional[torch.Tensor], seq_len: int, posi
     for t in (attention_mask, position_ids):
         if t is not None:
             device = t.device
-    q = torch.arange(past, keys, device=device)[:, None]
+    q = (torch.arange(past, keys, device=device) if queries is None else queries)[:, None]
     k = torch.arange(keys, device=device)[None, :]
     allowed = k <= q
     if windowed:
@@ -91,17 +95,21 @@ def attention_mask_4d(attention_mask: Optional[torch.Tensor], seq_len: int, posi
     if padded:
         allowed = allowed & attention_mask.bool()[:, None, :]
     if packed is not None:
-        allowed = allowed & (packed[:, :, None] == packed[:, None, :])
+        packed_q = packed if queries is None else packed.index_select(1, queries)
+        allowed = allowed & (packed_q[:, :, None] == packed[:, None, :])
     return ~allowed[:, None]
 
 
-def add_window(mask: Optional[torch.Tensor], seq_len: int, window: Optional[int], device=None) -> Optional[torch.Tensor]:
-    """`mask` (or plain causal when None) with keys `window` or more tokens behind each query masked too."""
-    keys = seq_len if mask is None else mask.shape[-1]
+def add_window(mask: Optional[torch.Tensor], seq_len: int, window: Optional[int], device=None,
+               queries: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+    """`mask` (or plain causal when None) with keys `window` or more tokens behind each query masked too.
+    Under context parallelism `queries` are the query rows' global positions and `seq_len` the whole
+    sequence's length (the keys)."""
+    keys = seq_len if mask is None or queries is not None else mask.shape[-1]
     if window is None or keys <= window:
         return mask
     device = device if mask is None else mask.device
-    q = torch.arange(keys - seq_len, keys, device=device)[:, None]
+    q = (torch.arange(keys - seq_len, keys, device=device) if queries is None else queries.to(device))[:, None]
     k = torch.arange(keys, device=device)[None, :]
     outside = (q - k >= window) | (k > q)
     return outside[None, None] if mask is None else mask | outside

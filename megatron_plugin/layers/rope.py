@@ -12,6 +12,10 @@ the forward rope kernel took 3.9 ms a step; on the tables, 1.3 ms). mcore's atte
 through its fused-rope slot (`apply_rope_fusion`, filled with TE's kernel when TE is installed), which
 `patches.py` fills with `apply_cos_sin`: the same arithmetic as mcore's unfused path, on cos and sin already
 computed.
+
+Under context parallelism a rank's position ids are its tokens' global positions (models/causal.py), so
+the tables need no per-rank slicing: mcore's `get_pos_emb_on_this_cp_rank` (which calls `.cuda()`) is
+never reached.
 """
 
 from __future__ import annotations

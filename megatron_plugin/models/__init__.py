@@ -26,6 +26,7 @@ def check_model(plugin, hf_config, world_size=None) -> ModelFamily:
     """Raise a clear error when the model can't be laid out as the plugin asks (over `world_size`
     processes, when given). No collectives."""
     family = get_family(hf_config)
+    check_context_parallel_family(plugin, hf_config, family)
     tc = family.transformer_config(hf_config)
     tp = plugin.tp_degree
     heads = tc["num_attention_heads"]
@@ -60,6 +61,35 @@ def check_model(plugin, hf_config, world_size=None) -> ModelFamily:
     transformer_config_overrides(plugin.other_megatron_args, tc)
     check_model_fields(plugin, hf_config, family)
     return family
+
+
+# the families whose attention the context-parallel split is written for: causal self-attention over one
+# sequence (layers/context_parallel.py, layers/attention.SDPAttention)
+CONTEXT_PARALLEL_FAMILIES = (GPT2, LLAMA, MISTRAL, QWEN2, QWEN3)
+
+
+def check_context_parallel_family(plugin, hf_config, family: ModelFamily) -> None:
+    """context_parallel_size > 1 only for the causal dense families; the others are refused by name. No
+    collectives."""
+    cp = getattr(plugin, "context_parallel_size", 1) or 1
+    if cp == 1 or family in CONTEXT_PARALLEL_FAMILIES:
+        return
+    supported = "GPT-2, Llama, Mistral, Qwen2 and Qwen3"
+    if family.num_experts(hf_config):
+        why = (f"context parallelism is not implemented for mixture-of-experts models ({family.name}) yet: "
+               "the router's load-balancing and z-losses and the logged expert loads are computed over one rank's "
+               "tokens and are not combined over the context-parallel ranks")
+        instead = "for long sequences use sequence_parallelism=True with tp_degree > 1 (and expert_model_parallel_size)"
+    elif family in (T5, MT5):
+        why = (f"context parallelism splits one causal sequence; {family.name} is an encoder-decoder model (its "
+               "encoder's bidirectional attention and the decoder's cross-attention are not split here)")
+        instead = "for long sequences use sequence_parallelism=True with tp_degree > 1"
+    else:
+        why = (f"context parallelism splits causal attention; {family.name}'s attention is bidirectional (every "
+               "token attends to both sides), which is not split here")
+        instead = "for long sequences use sequence_parallelism=True with tp_degree > 1"
+    raise MegatronPluginConfigError(
+        "context_parallel_size", cp, f"{why}: use context_parallel_size=1 ({supported} models take it); {instead}")
 
 
 def check_experts(plugin, hf_config, family: ModelFamily, tc: dict) -> None:

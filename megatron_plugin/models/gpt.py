@@ -13,6 +13,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from ..errors import MegatronPluginConfigError
 from .common import HFParityMixin, use_our_output_layer
 from ..layers.embedding import use_our_word_embeddings
+from ..layers.context_parallel import cp_index
 from ..layers.masks import add_window
 from ..layers.sp_comm import gather_first_dim
 from ..layers.rope import RotaryEmbedding
@@ -50,8 +51,20 @@ class MegatronGPT(HFParityMixin, GPTModel):
         use_our_word_embeddings(self, self.share_embeddings_and_output_weights and self.post_process and lm_head)
 
     def forward(self, input_ids, position_ids, attention_mask, *args, **kwargs):
-        attention_mask = add_window(attention_mask, position_ids.shape[1], self.sliding_window, position_ids.device)
+        if self.config.context_parallel_size > 1:
+            attention_mask = self._window_over_context_parallel(attention_mask, position_ids)
+        else:
+            attention_mask = add_window(attention_mask, position_ids.shape[1], self.sliding_window, position_ids.device)
         return super().forward(input_ids, position_ids, attention_mask, *args, **kwargs)
+
+    def _window_over_context_parallel(self, attention_mask, position_ids):
+        # this rank's queries sit at global positions (chunks r and 2*CP-1-r) over the whole sequence's keys
+        if self.sliding_window is None:
+            return attention_mask
+        cp = self.config.context_parallel_size
+        seq_len = position_ids.shape[1] * cp
+        queries = cp_index(seq_len, cp, self.pg_collection.cp.rank(), position_ids.device)
+        return add_window(attention_mask, seq_len, self.sliding_window, position_ids.device, queries=queries)
 
     def _preprocess(self, input_ids, position_ids, *args, **kwargs):
         out = super()._preprocess(input_ids, position_ids, *args, **kwargs)
@@ -123,6 +136,7 @@ def build_transformer_config(
     fields.update(
         tensor_model_parallel_size=plugin.tp_degree,
         pipeline_model_parallel_size=plugin.pp_degree,
+        context_parallel_size=plugin.context_parallel_size or 1,
         sequence_parallel=plugin.sequence_parallelism,
         params_dtype=params_dtype,
         bf16=params_dtype == torch.bfloat16,

@@ -60,7 +60,7 @@ def _read(ckpt: str, meta: dict, state: TrainingState) -> dict:
     if fits and meta.get("optimizer", True) and state.load_optimizer:
         saved["optimizer"] = torch_load(verify_file(ckpt, optimizer_file(name, "dp000.pt"), meta),
                                         map_location=state.device)
-        if meta["distributed_optimizer"] and grid.dp_rank == 0:
+        if meta["distributed_optimizer"] and grid.dp_cp_rank == 0:
             verify_file(ckpt, optimizer_file(name, "param_state.pt"), meta)
     return read_rest(ckpt, meta, state, saved)
 

@@ -114,10 +114,10 @@ def optimizer_stem(state: TrainingState) -> str:
 
 def _writes_optimizer(state: TrainingState) -> bool:
     """Collective. Whether this rank writes its optimizer files: the first rank of each distinct
-    optimizer state. Without routed experts that is data-parallel rank 0; with them the ranks of one
+    optimizer state. Without routed experts that is data-parallel (x context-parallel) rank 0; with them the ranks of one
     dense shard hold different experts' states, so the first rank of each (tp, pp, expert tp, ep)."""
     if not state.has_experts:
-        return state.layout.dp_rank == 0
+        return state.layout.dp_cp_rank == 0
     grid, place = state.layout, state.experts
     mine = (grid.tp_rank, grid.pp_rank, place.etp_rank, place.ep_rank)
     everyone = [None] * grid.world_size
@@ -136,9 +136,9 @@ def _write_files(staging: str, state: TrainingState) -> dict:
         # mcore gathers the DP-sharded optimizer state onto DP rank 0 of each model-parallel rank
         path = os.path.join(staging, optimizer_file(name, "param_state.pt"))
         state.optimizer.save_parameter_state(path)
-        if grid.dp_rank == 0:
+        if grid.dp_cp_rank == 0:
             written.append(path)
-    if grid.dp_rank == 0:
+    if grid.dp_cp_rank == 0:
         tensors = {k: v.detach().contiguous().cpu() for k, v in state.named_tensors(experts=False)}
         save_file(tensors, model_file(staging, grid.tp_rank, grid.pp_rank))
         written.append(model_file(staging, grid.tp_rank, grid.pp_rank))
