@@ -1,4 +1,4 @@
-"""Where this process sits in the TP x PP x DP grid, read from Megatron-Core's parallel state.
+"""Where this process sits in the TP x CP x PP x DP grid, read from Megatron-Core's parallel state.
 
 Below models and engine alike: models build their stage from it, the engine and checkpoints use it.
 """
@@ -29,6 +29,8 @@ class Layout:
     # rank among the replicas of this model shard: data parallel x context parallel (context-parallel ranks hold
     # the same weights and differ only in the part of each sequence they see)
     dp_cp_rank: int = 0
+    # context-parallel ranks per model shard (world_size = tp_size * cp_size * pp_size * dp_size)
+    cp_size: int = 1
 
     @property
     def is_first_stage(self) -> bool:
@@ -52,4 +54,5 @@ def current_layout(device: torch.device | None = None) -> Layout:
         dp_rank=ps.get_data_parallel_rank(),
         device=device or (torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")),
         dp_cp_rank=ps.get_data_parallel_rank(with_context_parallel=True),
+        cp_size=ps.get_context_parallel_world_size(),
     )

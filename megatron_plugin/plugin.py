@@ -314,6 +314,15 @@ def _same_value(a, b) -> bool:
     return type(a) is type(b) and a == b
 
 
+def _splits_sequences_knowingly(step_class: type) -> bool:
+    """Whether a custom train step can run under context parallelism: a GPT step (by class name along its
+    MRO: train_steps sits above this module), or one that defines `before_sequence_split` itself."""
+    if any(c.__name__ in ("GPTTrainStep", "PolicyGradientTrainStep", "DPOTrainStep") for c in step_class.__mro__):
+        return True
+    return any("before_sequence_split" in vars(c) for c in step_class.__mro__
+               if c.__name__ != "AbstractTrainStep")
+
+
 @dataclass
 class MegatronLMPlugin:
     """Megatron-Core parallelism for an accelerate script. Fields left as None are read from the
@@ -641,6 +650,16 @@ class MegatronLMPlugin:
                 "sequence, and a mean over those tokens is not the whole sequence's: set "
                 "calculate_per_token_loss=True and return (loss sum, token count, logs), which the engine "
                 "weighs over the context-parallel ranks; or leave it unset, or use context_parallel_size=1",
+            )
+        step = self.custom_train_step_class
+        if self.context_parallel_size > 1 and isinstance(step, type) and not _splits_sequences_knowingly(step):
+            # a step that shifts labels itself would shift them inside each rank's two chunks (wrong at their edges)
+            raise MegatronPluginConfigError(
+                "custom_train_step_class", step.__name__,
+                f"with context_parallel_size={self.context_parallel_size} each rank holds two chunks of every "
+                "sequence: subclass GPTTrainStep (which shifts labels over the whole sequence first), or define "
+                "before_sequence_split(micro_batch) to compute what needs the whole sequence, or use "
+                "context_parallel_size=1",
             )
         if self.pipeline_model_parallel_split_rank is not None:
             raise MegatronPluginConfigError(

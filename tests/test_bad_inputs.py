@@ -846,6 +846,26 @@ def test_context_parallel_taken_by_causal_families_and_checked_against_the_world
     assert MegatronLMPlugin(context_parallel_size=2, custom_loss_function=loss, calculate_per_token_loss=True)
     assert MegatronLMPlugin(custom_loss_function=loss, custom_get_batch_function=lambda it: next(it))
 
+    # a custom step must shift over the whole sequence before the split: GPT steps do, others say how
+    from train_steps import AbstractTrainStep, GPTTrainStep
+
+    class OwnStep(AbstractTrainStep):
+        pass
+
+    class OwnSplit(AbstractTrainStep):
+        def before_sequence_split(self, micro_batch):
+            return micro_batch
+
+    class MyGPT(GPTTrainStep):
+        pass
+
+    got = refusal(lambda: MegatronLMPlugin(context_parallel_size=2, custom_train_step_class=OwnStep))
+    check_refusal(got, "custom_train_step_class", "OwnStep", "GPTTrainStep", "before_sequence_split",
+                  "context_parallel_size=1", exact=True)
+    for ok in (OwnSplit, MyGPT):
+        assert MegatronLMPlugin(context_parallel_size=2, custom_train_step_class=ok)
+    assert MegatronLMPlugin(custom_train_step_class=OwnStep)
+
 
 def test_context_parallel_sequence_length_rule():
     """A sequence must cut into 2 x CP chunks (and, under SP, each rank's 2 chunks over TP): the batch check

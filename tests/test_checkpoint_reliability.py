@@ -9,6 +9,7 @@
   back bit for bit, with its iteration. Both formats.
 """
 
+import json
 import os
 
 import pytest
@@ -143,3 +144,101 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint_to_load(tmp_path,
     assert (tmp_path / "ckpt" / tracker).read_text().strip() == names
     for res in run_on_ranks(_fresh_load, 2, str(tmp_path)):  # fresh processes, as a relaunched job
         assert res == {"iteration": 2, "engine_iteration": 2, "restored": True}
+
+
+# -- context parallelism: a resumed run gets its optimizer and RNG states back ------------------------------
+def _cp_prepared(cp, seed, fmt):
+    """A tiny GPT-2 with dropout (the next step's loss reads the RNG) at context_parallel_size=`cp` over every
+    process (the rest data parallel); this rank's batches."""
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+    model = tiny_gpt2("tied", seed=seed, resid_pdrop=0.1, embd_pdrop=0.1)
+    opt = optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(context_parallel_size=cp, ckpt_format=fmt))
+    engine, opt, sched, loader = acc.prepare(
+        model, opt, MegatronLMDummyScheduler(opt, total_num_steps=10), DataLoader(token_dataset(24, 1000), batch_size=4)
+    )
+    engine.train()
+    return acc, engine, list(loader)
+
+
+def _rng_now(engine):
+    import random
+
+    import numpy as np
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "model": engine.rng.state_dict()}
+
+
+def _equal(a, b):
+    import numpy as np
+
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return np.array_equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_equal(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_equal(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def _cp_save(root, name, cp, fmt):
+    """Two steps, save_state, then the uninterrupted third step: its loss. This rank's RNG and optimizer
+    states at the save go to a file for the loads to compare with."""
+    import torch.distributed as dist
+
+    acc, engine, batches = _cp_prepared(cp, 0, fmt)
+    for b in batches[:2]:
+        engine(**b)
+    acc.save_state(os.path.join(root, name))
+    torch.save({"rng": _rng_now(engine), "optimizer": engine.optimizer.state_dict()["state"]},
+               os.path.join(root, f"{name}_rank{dist.get_rank()}.pt"))
+    return engine(**batches[2]).loss.item()
+
+
+def _cp_load(root, name, cp, fmt):
+    """A fresh prepare (other initial weights) at context_parallel_size=`cp`, load_state, then the third step.
+    Compared with the state the save left on this rank (rank 0's where the checkpoint had more processes)."""
+    import warnings
+
+    import torch.distributed as dist
+
+    acc, engine, batches = _cp_prepared(cp, 5, fmt)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        acc.load_state(os.path.join(root, name))
+    saved = torch.load(os.path.join(root, f"{name}_rank{dist.get_rank()}.pt"), weights_only=False)
+    return {"iteration": engine.iteration, "rng": _equal(_rng_now(engine), saved["rng"]),
+            "optimizer": len(saved["optimizer"]) > 0 and _equal(engine.optimizer.state_dict()["state"], saved["optimizer"]),
+            "warnings": [str(w.message) for w in caught if str(w.message).startswith("load_state: ")],
+            "loss": engine(**batches[2]).loss.item()}
+
+
+@pytest.mark.parametrize("fmt", sorted(TRACKERS))
+def test_a_cp2_run_resumes_with_its_optimizer_and_rng_and_loads_at_cp1_as_a_dp_change_does(tmp_path, fmt):
+    root = str(tmp_path)
+    uninterrupted = run_on_ranks(_cp_save, 2, root, "cp2", 2, fmt)  # TP=1 CP=2 DP=1
+    assert uninterrupted[0] == uninterrupted[1]
+    run_on_ranks(_cp_save, 2, root, "dp2", 1, fmt)  # TP=1 CP=1 DP=2: the data-parallel change to compare with
+    if fmt == "megatron_plugin":
+        with open(os.path.join(root, "cp2", "iter_0000002", "meta.json")) as f:
+            meta = json.load(f)
+        assert (meta["world_size"], meta["cp"], meta["dp"]) == (2, 2, 1)
+
+    # the same layout: optimizer (exp_avg, exp_avg_sq, step) and every RNG stream bit for bit, the same next loss
+    for rank, res in enumerate(run_on_ranks(_cp_load, 2, root, "cp2", 2, fmt)):
+        assert res["warnings"] == [], (rank, res["warnings"])
+        assert res["rng"] and res["optimizer"] and res["iteration"] == 2, (rank, res)
+        assert res["loss"] == uninterrupted[rank], (rank, res["loss"], uninterrupted[rank])
+
+    # one process (CP=1 DP=1): the CP=2 checkpoint loads as the DP=2 one does. The optimizer's state, replicated
+    # over DP x CP, loads; the RNG streams, one per rank, do not, with a warning
+    at_cp1, at_dp1 = (run_on_ranks(_cp_load, 1, root, name, 1, fmt)[0] for name in ("cp2", "dp2"))
+    for res in (at_cp1, at_dp1):
+        assert res["optimizer"] and not res["rng"] and res["iteration"] == 2, res
+        assert len(res["warnings"]) == 1 and "holds RNG states of" in res["warnings"][0], res["warnings"]
+        assert "start from the plugin's seed" in res["warnings"][0] and "2 processes" in res["warnings"][0]
+    assert "cp=2" in at_cp1["warnings"][0] or "context_parallel_size=2" in at_cp1["warnings"][0]

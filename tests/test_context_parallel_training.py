@@ -101,10 +101,13 @@ def _assert_same_run(got, ref, where):
     if state is not None:
         assert set(state) == set(ref_state), where
         for k in ref_state:
-            # AdamW turns rounding into weight differences (TP=2 alone ends 3e-5 of the largest weight from
-            # TP=1 here); a wrong gradient weighting moves the losses, held above to 1e-5 (they agree to 1e-7)
+            # AdamW turns rounding into weight differences: an element whose gradient is near zero can take a
+            # step of up to the learning rate either way (TP=2 alone ends 3e-5 of the largest weight from TP=1
+            # here; CP=2 x DP=2, whose attention sums over keys in another order, 4e-4 on the embedding). A
+            # wrong gradient weighting moves the losses, held above to 1e-5 (they agree to 1e-7), and the
+            # gradients, held to HF's by the tests below
             rel = ((state[k] - ref_state[k]).abs().max() / ref_state[k].abs().max().clamp_min(1e-12)).item()
-            assert rel < 2e-4, f"{where} {k}: {rel}"
+            assert rel < 1e-3, f"{where} {k}: {rel}"
 
 
 @pytest.mark.parametrize("case", list(TRAIN_CASES))

@@ -219,12 +219,15 @@ class MegatronEngine(torch.nn.Module):
         # what needs the whole sequence (shifted labels, DPO's joined sides), before the split
         split = getattr(step, "before_sequence_split", None)
         micro = [split(mb) for mb in micro] if split is not None else micro
-        ids = [mb.get("input_ids") for mb in micro]
+        # the ids the split follows: `input_ids` once `before_sequence_split` has made them (DPO joins its two
+        # sides there), else the step's own input key
+        key = "input_ids" if all("input_ids" in mb for mb in micro) else step.input_key
+        ids = [mb.get(key) for mb in micro]
         if all(torch.is_tensor(t) and t.dim() == 2 for t in ids) and any(t.shape[1] % (2 * cp_size) for t in ids):
             # left whole: the batch check refuses the length on every rank together (its all-reduce); raising
             # here, on the ranks whose batch has it, would leave the other data-parallel ranks waiting there
             return micro
-        return [shard_sequence(mb, cp_size, cp_rank) for mb in micro]
+        return [shard_sequence(mb, cp_size, cp_rank, input_key=key) for mb in micro]
 
     def _batch_tensors(self, batch, step) -> Dict[str, torch.Tensor]:
         """The batch's tensors, refused unless they are token ids (and what goes with them) whose rows

@@ -96,7 +96,7 @@ def save_model(engine, save_directory: str, max_shard_size="10GB", safe_serializ
     # every data-parallel replica walks its own copy; only replica 0's tensors are written. With experts laid
     # out apart (split over expert-parallel ranks or another expert TP size), whose groups span ranks of
     # different replicas, the experts are gathered over those: every replica walks then, with its peers
-    first_replica = parallel_state.get_data_parallel_rank() == 0
+    first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0  # CP ranks: replicas too
     if first_replica or any(experts_laid_apart(chunk.plan) for chunk in engine.chunks):
         for name, tensor in iter_hf_weights(engine):
             if writer is not None:

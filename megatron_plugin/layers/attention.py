@@ -167,23 +167,30 @@ class SDPAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
         kwargs = dict(dropout_p=dropout_p, scale=self.softmax_scale, enable_gqa=self.groups != self.heads)
         with _rng_context(self.config, dropout_p):
-            if attention_mask is not None or not causal:
+            if not causal:
                 attn_mask = None if attention_mask is None else ~attention_mask
                 out = self._sdpa(q, k, v, dict(kwargs, attn_mask=attn_mask, is_causal=False))
             else:
+                # each local chunk over its causal key prefix only (keys past a chunk's end are masked for all of
+                # its queries): half the work of one call over every key
                 chunk, rank = sq // 2, self.cp_rank
                 ends = ((rank + 1) * chunk, (2 * self.cp_size - rank) * chunk)  # each local chunk's last key + 1
                 out = torch.cat([
                     self._sdpa(q[:, :, i * chunk:(i + 1) * chunk], k[:, :, :end], v[:, :, :end],
-                               dict(kwargs, attn_mask=self._lower_right(chunk, end, q.device), is_causal=False))
+                               dict(kwargs, is_causal=False, attn_mask=(
+                                   self._lower_right(chunk, end, q.device) if attention_mask is None
+                                   else ~attention_mask[:, :, i * chunk:(i + 1) * chunk, :end])))
                     for i, end in enumerate(ends)], dim=2)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
 
     def _lower_right(self, queries: int, keys: int, device):
         bias = causal_lower_right(queries, keys)
-        # the bias picks flash / memory-efficient kernels by itself, whatever attention_backend allows: with
-        # kernels chosen, it goes in as the mask it stands for
-        return bias if self.kernels is None else bias._materialize(device)
+        # the bias dispatches to flash, else memory-efficient attention, else the math path on its mask, as
+        # far as the enabled kernels allow (attention_backend's sdpa_kernel context): it goes in as itself
+        # unless only the math path is allowed, which takes the mask it stands for
+        allowed = self.kernels is None or any(
+            k in self.kernels for k in (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION))
+        return bias if allowed else bias._materialize(device)
 
     def _sdpa(self, q, k, v, kwargs):
         return (F.scaled_dot_product_attention(q, k, v, **kwargs) if self.kernels is None

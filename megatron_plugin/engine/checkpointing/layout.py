@@ -90,16 +90,25 @@ def chunk_key(chunk: int, num_chunks: int, name: str) -> str:
 
 
 def checkpoint_meta(*, iteration, tp, pp, dp, vpp, distributed_optimizer, model_only, family, variant,
-                    make_vocab_size_divisible_by, hf_config, ep=None, etp=None) -> dict:
+                    make_vocab_size_divisible_by, hf_config, ep=None, etp=None, cp=1) -> dict:
     """meta.json, the same keys for checkpoints of runs and of checkpoint_utils. `ep` / `etp` (expert-parallel
-    and expert tensor-parallel sizes) only for a model with routed experts, which then has expert files."""
+    and expert tensor-parallel sizes) only for a model with routed experts, which then has expert files. `dp` is
+    data parallel without context parallel (`cp`): the run had tp * cp * pp * dp processes."""
     experts = {} if ep is None else {"ep": ep, "etp": etp or tp}
     return {
-        "format": FORMAT, "iteration": iteration, "tp": tp, "pp": pp, "dp": dp, "world_size": tp * pp * dp,
+        "format": FORMAT, "iteration": iteration, "tp": tp, "pp": pp, "dp": dp, "cp": cp,
+        "world_size": tp * cp * pp * dp,
         "vpp": vpp, "distributed_optimizer": distributed_optimizer, "model_only": model_only, "family": family,
         "variant": variant, "lm_head": variant != "base", "make_vocab_size_divisible_by": make_vocab_size_divisible_by, "hf_config": hf_config,
         **experts,
     }
+
+
+def replicas(meta: dict) -> tuple:
+    """(dp, cp) a checkpoint was saved with: the replicas of each model shard, over which per-rank state (RNG
+    streams, the distributed optimizer's shards) is laid out. A checkpoint written before context parallelism
+    records no `cp`: 1."""
+    return int(meta["dp"]), int(meta.get("cp") or 1)
 
 
 def write_meta(path: str, meta: dict) -> None:

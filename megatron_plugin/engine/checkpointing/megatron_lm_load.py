@@ -102,8 +102,10 @@ def _plan(ckpt: str, release: bool, state: TrainingState) -> _Plan:
             "same objects as the run that saved it")
     _decide_optimizer(plan, state)
     grid = state.layout
+    saved = _saved_layout(plan)
+    # the streams are one per data-parallel x context-parallel rank: another CP is like another DP
     plan.rng = (not release and plan.rng_shape == (grid.pp_size, grid.tp_size)
-                and _saved_layout(plan).get("world_size") == grid.world_size)
+                and saved.get("world_size") == grid.world_size and saved["cp"] == grid.cp_size)
     return plan
 
 
@@ -121,11 +123,15 @@ def _read_common(ckpt: str) -> dict:
 
 def _saved_layout(plan: _Plan) -> dict:
     entry, args = plan.entry, plan.args
+    # cp: Megatron-LM's args record context_parallel_size (its data_parallel_size excludes it); our entry records
+    # it as `cp` since context parallelism came; a checkpoint that records neither was saved at 1
+    cp = getattr(args, "context_parallel_size", None) or 1
     if entry:
-        return dict({k: entry.get(k) for k in ("tp", "pp", "dp", "world_size")}, ep=entry.get("ep", 1))
+        return dict({k: entry.get(k) for k in ("tp", "pp", "dp", "world_size")}, ep=entry.get("ep", 1),
+                    cp=entry.get("cp") or cp)
     return {"tp": getattr(args, "tensor_model_parallel_size", 1), "pp": getattr(args, "pipeline_model_parallel_size", 1),
             "dp": getattr(args, "data_parallel_size", None), "world_size": getattr(args, "world_size", None),
-            "ep": getattr(args, "expert_model_parallel_size", 1)}
+            "ep": getattr(args, "expert_model_parallel_size", 1), "cp": cp}
 
 
 def _check_model(plan: _Plan, state: TrainingState) -> None:
@@ -171,9 +177,11 @@ def _decide_optimizer(plan: _Plan, state: TrainingState) -> None:
             plan.why_not_optimizer = (f"it was saved with use_distributed_optimizer={bool(saved_dist)}, this run has "
                                       f"{state.distributed_optimizer}")
         elif saved_dist and sharding not in RESHARDABLE and (
-                layout["tp"], layout["pp"], layout["dp"]) != (grid.tp_size, grid.pp_size, grid.dp_size):
+                layout["tp"], layout["pp"], layout["dp"], layout["cp"]) != (grid.tp_size, grid.pp_size, grid.dp_size,
+                                                                            grid.cp_size):
+            # its shards are over the data-parallel x context-parallel ranks: another CP is another sharding
             plan.why_not_optimizer = (f"its distributed optimizer state ({sharding}) reshards only at its own layout "
-                                      f"(tp={layout['tp']}, pp={layout['pp']}, dp={layout['dp']})")
+                                      f"(tp={layout['tp']}, pp={layout['pp']}, dp={layout['dp']}, cp={layout['cp']})")
         elif not state.torch_optimizer and args is not None and (
                 bool(getattr(args, "bf16", False)), bool(getattr(args, "fp16", False))) != (
                 bool(state.model.config.bf16), bool(state.model.config.fp16)):
@@ -261,8 +269,8 @@ def _apply(plan: _Plan, loaded: dict, state: TrainingState) -> None:
         state.set_rng_state(from_megatron_rng(per_rank[dp_rank] if dp_rank < len(per_rank) else per_rank[0]))
     elif not plan.release:
         layout = _saved_layout(plan)
-        warnings.warn(f"load_state: {plan.ckpt} holds RNG states of tp={layout['tp']}, pp={layout['pp']} over "
-                      f"{layout['world_size']} processes; this run's random streams (dropout) start from the plugin's seed")
+        warnings.warn(f"load_state: {plan.ckpt} holds RNG states of tp={layout['tp']}, pp={layout['pp']}, "
+                      f"cp={layout['cp']} over {layout['world_size']} processes; this run's random streams (dropout) start from the plugin's seed")
     for obj, saved in zip(state.custom_objects, loaded.get(CUSTOM_OBJECTS) or ()):
         obj.load_state_dict(saved)
     state.set_iteration(0 if plan.release else int(plan.common.get("iteration", 0)))

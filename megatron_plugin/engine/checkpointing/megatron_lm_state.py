@@ -335,7 +335,7 @@ def megatron_args(state: TrainingState, iteration: int) -> Namespace:
         tensor_model_parallel_size=grid.tp_size, pipeline_model_parallel_size=grid.pp_size,
         virtual_pipeline_model_parallel_size=state.vpp,
         num_layers_per_virtual_pipeline_stage=getattr(plugin, "num_layers_per_virtual_pipeline_stage", None),
-        context_parallel_size=parallel_state.get_context_parallel_world_size(),
+        context_parallel_size=grid.cp_size,  # Megatron-LM's data_parallel_size excludes it, as grid.dp_size does
         **moe_args(lambda k: getattr(c, k, None), parallel_state.get_expert_model_parallel_world_size(),
                    parallel_state.get_expert_tensor_parallel_world_size()),
         sequence_parallel=bool(c.sequence_parallel), data_parallel_size=grid.dp_size, world_size=grid.world_size,
@@ -353,7 +353,7 @@ def megatron_args(state: TrainingState, iteration: int) -> Namespace:
 def plugin_entry(state: TrainingState, optimizer_steps: Optional[dict] = None) -> dict:
     """Ours in common.pt: the model to convert back to HF without flags, the layout, what was saved."""
     grid = state.layout
-    entry = dict(state.model_fields(), tp=grid.tp_size, pp=grid.pp_size, dp=grid.dp_size, vpp=state.vpp,
+    entry = dict(state.model_fields(), tp=grid.tp_size, pp=grid.pp_size, dp=grid.dp_size, cp=grid.cp_size, vpp=state.vpp,
                  world_size=grid.world_size, engine="cpu" if state.torch_optimizer else "mcore",
                  distributed_optimizer=state.distributed_optimizer, custom_objects=len(state.custom_objects),
                  optimizer=None, ep=state.experts.ep_size, etp=state.experts.etp_size)

@@ -12,8 +12,8 @@ from safetensors.torch import load_file
 
 from ...errors import MegatronPluginConfigError
 from .collective import agree
-from .layout import (SCHEDULER, custom_file, expert_file, is_expert_key, model_file, optimizer_file, rng_file, torch_load,
-                     verify_file)
+from .layout import (SCHEDULER, custom_file, expert_file, is_expert_key, model_file, optimizer_file, replicas, rng_file,
+                     torch_load, verify_file)
 from .native_save import optimizer_stem
 from .state import TrainingState
 
@@ -27,7 +27,7 @@ def load_same_layout(ckpt: str, meta: dict, state: TrainingState) -> dict:
     if not meta.get("model_only"):
         # model_only checkpoints (checkpoint_utils) are weights: optimizer, scheduler and RNG start fresh
         _load_optimizer(ckpt, meta, state, saved.get("optimizer"))
-        state.restore(saved, ckpt, meta["world_size"])
+        state.restore(saved, ckpt, meta["world_size"], replicas(meta)[1])
     else:
         state.optimizer_follows_weights()
     state.set_iteration(meta["iteration"])
@@ -35,12 +35,20 @@ def load_same_layout(ckpt: str, meta: dict, state: TrainingState) -> dict:
     return meta
 
 
+def same_replicas(meta: dict, state: TrainingState) -> bool:
+    """Whether the checkpoint was saved by as many processes, with as many data-parallel and context-parallel
+    ranks per model shard, as this run: what per-rank state (RNG streams, the distributed optimizer's shards over
+    DP x CP) needs to load rank for rank. A different CP counts as a different DP."""
+    grid = state.layout
+    return meta["world_size"] == grid.world_size and replicas(meta) == (grid.dp_size, grid.cp_size)
+
+
 def read_rest(ckpt: str, meta: dict, state: TrainingState, saved: dict) -> dict:
-    """Into `saved`: the scheduler's state, this rank's RNG states when the world size is the one saved
-    (they are per rank), and the registered objects' states."""
+    """Into `saved`: the scheduler's state, this rank's RNG states when the processes are laid out as saved
+    (`same_replicas`: they are per rank), and the registered objects' states."""
     if state.scheduler is not None:
         saved["scheduler"] = torch_load(verify_file(ckpt, SCHEDULER, meta))
-    if meta["world_size"] == state.layout.world_size:
+    if same_replicas(meta, state):
         saved["rng"] = torch_load(verify_file(ckpt, rng_file(state.layout.rank), meta))
     saved["custom"] = [torch_load(verify_file(ckpt, custom_file(i), meta)) for i in range(len(state.custom_objects))]
     return saved
@@ -53,8 +61,9 @@ def _read(ckpt: str, meta: dict, state: TrainingState) -> dict:
         return saved
     grid = state.layout
     name = optimizer_stem(state)
-    other_dp = meta["world_size"] != grid.world_size  # the same layout, more or fewer replicas
-    # the distributed optimizer shards its state over the data-parallel ranks: only the same sharding loads
+    other_dp = not same_replicas(meta, state)  # the same layout, other replicas (DP and/or CP)
+    # the distributed optimizer shards its state over the data-parallel (x context-parallel) ranks: only the
+    # same sharding loads
     sharded = meta["distributed_optimizer"] or state.distributed_optimizer
     fits = not (sharded and (other_dp or meta["distributed_optimizer"] != state.distributed_optimizer))
     if fits and meta.get("optimizer", True) and state.load_optimizer:
@@ -107,8 +116,8 @@ def _load_optimizer(ckpt: str, meta: dict, state: TrainingState, optimizer_state
                           "the optimizer starts fresh (the weights are loaded)")
         else:
             warnings.warn(f"load_state: {ckpt} was saved with use_distributed_optimizer={meta['distributed_optimizer']} "
-                          f"over {meta['dp']} data-parallel ranks; its optimizer state does not fit this run's and "
-                          "starts fresh (the weights are loaded)")
+                          f"over {meta['dp']} data-parallel x {replicas(meta)[1]} context-parallel ranks; its optimizer "
+                          "state does not fit this run's and starts fresh (the weights are loaded)")
         state.optimizer_follows_weights()
         return
     try:

@@ -17,7 +17,7 @@ from ...models.convert import model_dims
 from ...models.mapping import TRANSFORMS, TensorSlice, expand, read_shard, unshard
 from ..hf_io import MegatronReader
 from .collective import agree
-from .layout import expert_sizes, optimizer_file, shard_name, torch_load, verify_file
+from .layout import expert_sizes, optimizer_file, replicas, shard_name, torch_load, verify_file
 from .native_load import read_rest
 from .state import TrainingState
 
@@ -55,7 +55,7 @@ def load_resharded(ckpt: str, meta: dict, state: TrainingState) -> dict:
                 warnings.warn(f"load_state: {ckpt} was saved with {layout}; the weights were resharded to this run's "
                               "layout, the optimizer state could not be and starts fresh")
             state.optimizer_follows_weights()
-        state.restore(saved, ckpt, meta["world_size"])
+        state.restore(saved, ckpt, meta["world_size"], replicas(meta)[1])
     else:
         state.optimizer_follows_weights()
     state.set_iteration(meta["iteration"])

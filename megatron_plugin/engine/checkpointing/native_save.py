@@ -173,7 +173,7 @@ def _commit(output_dir: str, tag: str, state: TrainingState, files: dict) -> Non
     than this one: that one is kept, with a warning."""
     staging, final, grid = _staging_dir(output_dir, tag), os.path.join(output_dir, tag), state.layout
     write_meta(os.path.join(staging, META), dict(checkpoint_meta(
-        iteration=state.iteration, tp=grid.tp_size, pp=grid.pp_size, dp=grid.dp_size, vpp=state.vpp,
+        iteration=state.iteration, tp=grid.tp_size, pp=grid.pp_size, dp=grid.dp_size, cp=grid.cp_size, vpp=state.vpp,
         distributed_optimizer=state.distributed_optimizer, model_only=False, **state.model_fields(),
         **(dict(ep=state.experts.ep_size, etp=state.experts.etp_size) if state.has_experts else {}),
     ), files=dict(sorted(files.items())), engine="cpu" if state.torch_optimizer else "mcore",

@@ -156,15 +156,19 @@ class TrainingState:
         if not self.torch_optimizer and hasattr(self.optimizer, "reload_model_params"):
             self.optimizer.reload_model_params()
 
-    def restore(self, saved: dict, ckpt: str, saved_world_size: int) -> None:
+    def restore(self, saved: dict, ckpt: str, saved_world_size: int, saved_cp: int = 1) -> None:
         """After the model and optimizer: the scheduler, RNG states (`saved["rng"]`; absent or None: the
-        run's random streams stay as seeded, with a warning) and registered objects, as a format read them."""
+        run's random streams stay as seeded, with a warning) and registered objects, as a format read them.
+        `saved_world_size` / `saved_cp`: the processes and context-parallel size the checkpoint was saved with."""
         if self.scheduler is not None:
             self.load_scheduler(saved["scheduler"])
         if saved.get("rng") is not None:
             self.set_rng_state(saved["rng"])
         else:
-            warnings.warn(f"load_state: {ckpt} holds RNG states of {saved_world_size} processes; this run's "
+            cp = "" if saved_cp == 1 == self.layout.cp_size else (
+                f" at context_parallel_size={saved_cp} (this run: {self.layout.world_size} processes at "
+                f"context_parallel_size={self.layout.cp_size})")
+            warnings.warn(f"load_state: {ckpt} holds RNG states of {saved_world_size} processes{cp}; this run's "
                           "random streams (dropout) start from the plugin's seed")
         for obj, state in zip(self.custom_objects, saved["custom"]):
             obj.load_state_dict(state)
