@@ -494,3 +494,34 @@ def test_stacked_experts_compile_and_feed_main_grad():
     (res,) = run_on_ranks(_stacked_worker, 1)
     # the same grouped GEMMs on the same bf16 values: bit for bit (outputs, input and weight gradients)
     assert res.pop("diffs") == [0.0, 0.0, 0.0] and all(res.values()), res
+
+
+def _compile_kwargs_worker():
+    from megatron.core.transformer.spec_utils import build_module
+
+    from megatron_plugin.engine.gpu import layer_compile_kwargs
+    from megatron_plugin.layers.spec import moe_mlp_spec
+
+    _start()
+    cfg = _config("qwen3_moe")
+    moe_layer = torch.nn.Sequential(build_module(moe_mlp_spec(cfg), config=cfg, layer_number=1))
+    dense = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    return dict(
+        plain=layer_compile_kwargs(moe_layer, {}),
+        default_mode=layer_compile_kwargs(moe_layer, {"backend": "inductor", "mode": "default", "options": {"x": 1}}),
+        user_mode=layer_compile_kwargs(moe_layer, {"mode": "max-autotune-no-cudagraphs"}),
+        user_choice=layer_compile_kwargs(moe_layer, {"options": {"cpp_wrapper": False}}),
+        other_backend=layer_compile_kwargs(moe_layer, {"backend": "aot_eager"}),
+        dense=layer_compile_kwargs(dense, {}),
+    )
+
+
+def test_moe_layers_compile_with_the_cpp_wrapper():
+    """The CUDA engine compiles a layer holding an MoE MLP with Inductor's C++ wrapper (the step is bound by
+    kernel launches on the host), unless the user chose a mode, the wrapper, or another backend."""
+    (got,) = run_on_ranks(_compile_kwargs_worker, 1)
+    assert got == dict(plain={"options": {"cpp_wrapper": True}},
+                       default_mode={"backend": "inductor", "options": {"x": 1, "cpp_wrapper": True}},
+                       user_mode={"mode": "max-autotune-no-cudagraphs"},
+                       user_choice={"options": {"cpp_wrapper": False}},
+                       other_backend={"backend": "aot_eager"}, dense={}), got

@@ -317,8 +317,31 @@ class TokenDispatcher(MoEAllGatherTokenDispatcher):
 # experts
 
 
-def _grouped_mm():
+def _torch_grouped_mm():
     return getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+
+
+def _grouped_mm_fake(a, b, offs):
+    if b.dim() == 3:  # [N, in] x [E, in, out] -> [N, out]
+        return a.new_empty((a.shape[0], b.shape[-1]))
+    return a.new_empty((offs.shape[0], a.shape[0], b.shape[1]))  # [out, N] x [N, in] over N -> [E, out, in]
+
+
+_grouped_mm_op = None
+
+
+def _grouped_mm():
+    """torch's grouped GEMM as our own op: Inductor's C++ wrapper (which the CUDA engine compiles MoE layers
+    with, `engine/gpu.py`) has no C shim for `aten::_grouped_mm` in torch 2.13 and calls our op through
+    Python instead. None where torch has no grouped GEMM."""
+    global _grouped_mm_op
+    if _torch_grouped_mm() is None:
+        return None
+    if _grouped_mm_op is None:
+        op = define_op("moe_grouped_mm(Tensor a, Tensor b, Tensor offs) -> Tensor",
+                       lambda a, b, offs: _torch_grouped_mm()(a, b, offs=offs), _grouped_mm_fake)
+        _grouped_mm_op = lambda a, b, offs: op(a, b, offs)  # noqa: E731 (offs by keyword, as torch's)
+    return _grouped_mm_op
 
 
 def _grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,

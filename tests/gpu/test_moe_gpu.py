@@ -47,7 +47,7 @@ def _hf_reference():
     return losses, _expert_deltas(checkpoint_state_dict(hf), before)
 
 
-def _megatron_worker(wgrad_fusion):
+def _megatron_worker(wgrad_fusion, compiled=False):
     import megatron_plugin.layers.moe as moe
     from megatron_plugin import Accelerator, MegatronLMPlugin
     from megatron_plugin.models.moe_names import checkpoint_state_dict
@@ -63,7 +63,8 @@ def _megatron_worker(wgrad_fusion):
     try:
         hf = _model()
         before = {k: v.clone() for k, v in checkpoint_state_dict(hf).items()}
-        plugin = MegatronLMPlugin(gradient_clipping=1.0, gradient_accumulation_fusion=wgrad_fusion)
+        plugin = MegatronLMPlugin(gradient_clipping=1.0, gradient_accumulation_fusion=wgrad_fusion,
+                                  torch_compile=compiled)
         acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16")
         opt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=0.0)
         loader = DataLoader(token_dataset(STEPS * MICRO, hf.config.vocab_size), batch_size=MICRO, shuffle=False)
@@ -81,10 +82,12 @@ def _megatron_worker(wgrad_fusion):
         moe.grouped_expert_mlp = real
 
 
-@pytest.mark.parametrize("wgrad_fusion", [False, True], ids=["unfused", "fused_wgrad"])
-def test_moe_bf16_grouped_training_tracks_hf_fp32(wgrad_fusion):
+@pytest.mark.parametrize("wgrad_fusion,compiled", [(False, False), (True, False), (True, True)],
+                         ids=["unfused", "fused_wgrad", "compiled"])
+def test_moe_bf16_grouped_training_tracks_hf_fp32(wgrad_fusion, compiled):
+    """compiled: the engine's MoE path (layers compiled with Inductor's C++ wrapper, stacked expert weights)."""
     ref_losses, ref_deltas = _hf_reference()
-    (res,) = run_on_ranks(_megatron_worker, 1, wgrad_fusion)
+    (res,) = run_on_ranks(_megatron_worker, 1, wgrad_fusion, compiled)
     losses = res["losses"]
     assert res["grouped_calls"] > 0, res  # the experts ran as grouped GEMMs
     assert len(losses) == STEPS and all(torch.isfinite(torch.tensor(losses))), losses
