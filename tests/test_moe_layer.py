@@ -499,7 +499,7 @@ def test_stacked_experts_compile_and_feed_main_grad():
 def _compile_kwargs_worker():
     from megatron.core.transformer.spec_utils import build_module
 
-    from megatron_plugin.engine.gpu import layer_compile_kwargs
+    from megatron_plugin.engine.gpu import wants_cpp_wrapper
     from megatron_plugin.layers.spec import moe_mlp_spec
 
     _start()
@@ -507,21 +507,18 @@ def _compile_kwargs_worker():
     moe_layer = torch.nn.Sequential(build_module(moe_mlp_spec(cfg), config=cfg, layer_number=1))
     dense = torch.nn.Sequential(torch.nn.Linear(4, 4))
     return dict(
-        plain=layer_compile_kwargs(moe_layer, {}),
-        default_mode=layer_compile_kwargs(moe_layer, {"backend": "inductor", "mode": "default", "options": {"x": 1}}),
-        user_mode=layer_compile_kwargs(moe_layer, {"mode": "max-autotune-no-cudagraphs"}),
-        user_choice=layer_compile_kwargs(moe_layer, {"options": {"cpp_wrapper": False}}),
-        other_backend=layer_compile_kwargs(moe_layer, {"backend": "aot_eager"}),
-        dense=layer_compile_kwargs(dense, {}),
+        plain=wants_cpp_wrapper(moe_layer, {}),
+        default_mode=wants_cpp_wrapper(moe_layer, {"backend": "inductor", "mode": "default"}),
+        user_mode=wants_cpp_wrapper(moe_layer, {"mode": "max-autotune-no-cudagraphs"}),
+        user_options=wants_cpp_wrapper(moe_layer, {"options": {"cpp_wrapper": False}}),
+        other_backend=wants_cpp_wrapper(moe_layer, {"backend": "aot_eager"}),
+        dense=wants_cpp_wrapper(dense, {}),
     )
 
 
 def test_moe_layers_compile_with_the_cpp_wrapper():
-    """The CUDA engine compiles a layer holding an MoE MLP with Inductor's C++ wrapper (the step is bound by
-    kernel launches on the host), unless the user chose a mode, the wrapper, or another backend."""
+    """The CUDA engine compiles MoE layers with Inductor's C++ wrapper (the step is bound by kernel launches on
+    the host), unless the user chose a mode, options or another backend."""
     (got,) = run_on_ranks(_compile_kwargs_worker, 1)
-    assert got == dict(plain={"options": {"cpp_wrapper": True}},
-                       default_mode={"backend": "inductor", "options": {"x": 1, "cpp_wrapper": True}},
-                       user_mode={"mode": "max-autotune-no-cudagraphs"},
-                       user_choice={"options": {"cpp_wrapper": False}},
-                       other_backend={"backend": "aot_eager"}, dense={}), got
+    assert got == dict(plain=True, default_mode=True, user_mode=False, user_options=False, other_backend=False,
+                       dense=False), got

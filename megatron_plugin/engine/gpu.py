@@ -19,6 +19,7 @@ tensor x expert x pipeline group (device_clip.py adds the two norms on the devic
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Optional
 
 import torch
@@ -38,6 +39,8 @@ from .grad_buffers import GradBufferReset
 from ..layers.moe import stack_experts_each_forward
 from .optimizer import check_optimizer, check_optimizer_fields, use_fused_adam
 from .scheduler import build_scheduler
+
+logger = logging.getLogger(__name__)
 
 
 def optimizer_config(user_opt: torch.optim.Optimizer, plugin, dtype: Optional[torch.dtype]) -> OptimizerConfig:
@@ -189,21 +192,36 @@ def _direct_grad_handover(optimizer) -> None:
         opt._copy_model_grads_to_main_grads = handover
 
 
-def layer_compile_kwargs(layer, compile_kwargs: dict) -> dict:
-    """A layer with an MoE MLP compiles with Inductor's C++ wrapper unless the user chose a mode or the wrapper:
-    its step is bound by the host launching kernels (about 130 per layer and micro-batch), and the C++ wrapper
-    launches them without a Python call each (Qwen3-MoE's shape on one H100: 70,031 tok/s against 53,478-54,771
-    with the Python wrapper, BENCHMARKS.md)."""
+def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
+    """Whether this compiled layer wants Inductor's C++ wrapper: a layer with an MoE MLP, unless the user chose
+    a mode, options or another backend. Its step is bound by the host launching kernels (about 130 per layer
+    and micro-batch), and the C++ wrapper launches them without a Python call each (Qwen3-MoE's shape on one
+    H100: 72,142 tok/s against 53,478-54,771 with the Python wrapper, BENCHMARKS.md). The wrapper runs each
+    graph once while compiling it (on the call's inputs, to tune its kernels): our side-effect ops skip that run
+    (`compiled_linear.in_inductor_codegen`), but a collective in the graph would run an extra time, so only
+    layers without TP / expert collectives take it."""
     from ..layers.moe import MoELayer
 
     backend = compile_kwargs.get("backend", "inductor")
+    moe = [m for m in layer.modules() if isinstance(m, MoELayer)]
     if (str(getattr(backend, "value", backend)).lower() != "inductor" or compile_kwargs.get("mode") not in (None, "default")
-            or not any(isinstance(m, MoELayer) for m in layer.modules())):
-        return compile_kwargs
-    options = dict(compile_kwargs.get("options") or {})
-    options.setdefault("cpp_wrapper", True)
-    # torch.compile takes a mode or options, not both; "default" is no mode
-    return {**{k: v for k, v in compile_kwargs.items() if k != "mode"}, "options": options}
+            or compile_kwargs.get("options") or not moe):
+        return False
+    c = moe[0].config
+    return (c.tensor_model_parallel_size == 1 and c.expert_model_parallel_size == 1
+            and (c.expert_tensor_parallel_size or 1) == 1)
+
+
+def use_cpp_wrapper() -> None:
+    """Inductor's C++ wrapper for the graphs compiled from now on in this process. Process-wide: passed as a
+    per-graph option, the backward graphs (compiled at the first backward) failed in torch 2.13
+    ("CudaKernelParamCache not populated"); set in Inductor's config, forward and backward compile with it."""
+    import torch._inductor.config as inductor_config
+
+    if not inductor_config.cpp_wrapper:
+        logger.info("MoE layers: compiling with Inductor's C++ wrapper (torch._inductor.config.cpp_wrapper=True "
+                    "for this process)")
+        inductor_config.cpp_wrapper = True
 
 
 def transformer_layers(module):
@@ -230,7 +248,9 @@ class MegatronCoreEngine(MegatronEngine):
                 # Per layer (accelerate's "regional compilation"): the layers share one graph, and
                 # pipeline stages, virtual stages and recompute wrap layers, not whole models.
                 for layer in transformer_layers(module):
-                    layer.compile(**layer_compile_kwargs(layer, compile_kwargs))
+                    if wants_cpp_wrapper(layer, compile_kwargs):
+                        use_cpp_wrapper()
+                    layer.compile(**compile_kwargs)
             if dtype is not None:
                 module = Float16Module(config, module)
             # only the first chunk buckets: later chunks' grads are ready last (Megatron-LM does the same)

@@ -81,9 +81,20 @@ _all_reduce_op = _define("tp_all_reduce(Tensor x, str group) -> Tensor", _all_re
                          lambda x, group: x.new_empty(x.shape))
 
 
+def in_inductor_codegen() -> bool:
+    """Whether Inductor is compiling a graph right now. Its C++ wrapper runs the graph once while compiling it
+    (to tune its kernels), on the call's inputs or on random ones: an op with a side effect (on main_grad)
+    must then do nothing."""
+    from torch._inductor.virtualized import NullHandler, V
+
+    return not isinstance(V.graph, NullHandler)
+
+
 def _accumulate_wgrad(go: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """weight.main_grad += go^T @ x (2-D views); returns the placeholder gradient that DDP's hook then
     skips (`grad_added_to_main_grad`)."""
+    if in_inductor_codegen():
+        return torch.empty_like(weight)
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
         raise RuntimeError("gradient_accumulation_fusion: a fused linear's weight has no main_grad (DDP's buffer)")

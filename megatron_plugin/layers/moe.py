@@ -34,7 +34,7 @@ from megatron.core.transformer.moe.moe_utils import apply_router_token_dropping
 from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from .compiled_linear import define_op
+from .compiled_linear import define_op, in_inductor_codegen
 
 # ---------------------------------------------------------------------------------------------------
 # collectives on any device
@@ -348,6 +348,8 @@ def _grouped_wgrad(grad: torch.Tensor, x: torch.Tensor, offs: torch.Tensor,
                    weights: List[torch.Tensor]) -> List[torch.Tensor]:
     """Each weight's main_grad += its group's grad_e^T @ x_e; returns the placeholder gradients that DDP's
     hook then skips (`grad_added_to_main_grad`): one allocation for all the experts, as views."""
+    if in_inductor_codegen():  # see compiled_linear.in_inductor_codegen: no side effect then
+        return [torch.empty_like(w) for w in weights]
     # [E, out, in]; torch's grouped GEMM writes only its inputs' dtype (bf16). Cast once to main_grad's
     # dtype so that one multi-tensor add covers every expert (mixed dtypes leave foreach's fast path:
     # one kernel launch per expert, thousands a step)
