@@ -5,12 +5,15 @@ By default it needs no network: it writes a small preference set ("Q: 3 8 =": th
 the smaller one rejected), builds a character tokenizer and a tiny Llama, and reports the preference
 accuracy (how often the model gives the chosen answer the higher probability) on held-out pairs before
 and after, and the training metrics (loss, reward accuracy, rewards) as they move. With `--model_name_or_path` (a local HF causal LM) and
-`--train_file` (JSON lines with "prompt", "chosen", "rejected") the same script trains a real model.
+`--train_file` (JSON lines with "prompt", "chosen", "rejected") the same script trains a real model. With
+`--lora_r`, LoRA through peft: only the adapters train, the reference log-probs are the base model's
+(`with model.disable_adapter():`), and `--output_dir` gets the PEFT adapter folder.
 
     accelerate launch --config_file examples/configs/cpu_tp2.yaml examples/megatron_lm_dpo.py
 """
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -25,6 +28,7 @@ from accelerate.utils import set_seed  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from megatron_lm_llama_sft import causal_lm  # noqa: E402
+from peft_lora import add_lora_args, with_lora  # noqa: E402
 from megatron_plugin import Accelerator, MegatronLMDummyScheduler  # noqa: E402
 from train_steps import DPOTrainStep  # noqa: E402
 
@@ -43,6 +47,7 @@ def parse_args(argv=None):
     p.add_argument("--log_every", type=int, default=20)
     p.add_argument("--output_dir", default=None, help="save the trained model here (HF format)")
     p.add_argument("--seed", type=int, default=0)
+    add_lora_args(p)
     return p.parse_args(argv)
 
 
@@ -80,13 +85,15 @@ def sequence_log_probs(model, batch, side):
     return lp.sum(-1)
 
 
-def with_reference(model, loader):
-    """The batches with the reference model's log-probs: the model as it is now, before training."""
+def with_reference(model, loader, lora=False):
+    """The batches with the reference model's log-probs: the model as it is now, before training; with LoRA
+    the base model (adapters switched off: peft's `disable_adapter()`, as TRL's DPO takes its reference)."""
     out = []
     for batch in loader:
         batch = dict(batch)
-        for side in ("chosen", "rejected"):
-            batch[f"ref_{side}_logps"] = sequence_log_probs(model, batch, side)
+        with model.disable_adapter() if lora else contextlib.nullcontext():
+            for side in ("chosen", "rejected"):
+                batch[f"ref_{side}_logps"] = sequence_log_probs(model, batch, side)
         out.append(batch)
     return out
 
@@ -124,6 +131,7 @@ def main(argv=None):
     train_loader = DataLoader([encode(p, tokenizer, args.max_length) for p in train_pairs], batch_size=bs,
                               shuffle=True, drop_last=True)
     eval_loader = DataLoader([encode(p, tokenizer, args.max_length) for p in eval_pairs], batch_size=bs, drop_last=True)
+    model = with_lora(model, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, weight_decay=0.0)
     dp = accelerator.num_processes // (plugin.tp_degree * plugin.pp_degree)
     steps = args.num_train_epochs * (len(train_pairs) // (bs * plugin.num_micro_batches * dp))
@@ -132,8 +140,8 @@ def main(argv=None):
         model, optimizer, train_loader, eval_loader, scheduler)
 
     # the reference is the model before training: score every pair once (no second model in memory)
-    train_batches = with_reference(model, train_loader)
-    eval_batches = with_reference(model, eval_loader)
+    train_batches = with_reference(model, train_loader, lora=bool(args.lora_r))
+    eval_batches = with_reference(model, eval_loader, lora=bool(args.lora_r))
     before = preference_accuracy(model, eval_batches)
     accelerator.print(f"held-out preference accuracy before training: {before:.1%}")
     step = 0

@@ -9,6 +9,10 @@ policy -> a few updates. Two rollout engines:
   offloaded to host memory while it generates (`accelerator.offload()` / `accelerator.reload()`).
 With `--kl_coef`, a KL penalty to the initial policy, whose weights stay in host memory and are swapped in
 for its log-probs (`accelerator.snapshot_weights()`, `accelerator.use_weights(...)`).
+With `--lora_r`, LoRA through peft (`get_peft_model` before `prepare`): only the adapters train, the KL
+reference is the base model itself (`with model.disable_adapter():`, no snapshot), `--rollout hf` gets the
+weights with the adapters merged in (`model.iter_hf_weights(merge_lora=True)`), and `--output_dir` gets the
+PEFT adapter folder.
 
 By default it needs no network: a tiny Llama and a character tokenizer are built here, prompts are
 "Q: 07 + 05 =", and the reward gives 0.5 for an answer of digits that ends (eos) and 1 more for the right
@@ -33,6 +37,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from megatron_lm_llama_sft import causal_lm  # noqa: E402
+from peft_lora import add_lora_args, with_lora  # noqa: E402
 from megatron_plugin import Accelerator, MegatronLMDummyScheduler  # noqa: E402
 from train_steps import PolicyGradientTrainStep  # noqa: E402
 
@@ -54,6 +59,7 @@ def parse_args(argv=None):
     p.add_argument("--log_every", type=int, default=5)
     p.add_argument("--output_dir", default=None, help="save the trained model here (HF format)")
     p.add_argument("--seed", type=int, default=0)
+    add_lora_args(p)
     return p.parse_args(argv)
 
 
@@ -97,11 +103,12 @@ def rollout_batch(samples, prompt_ids, tokenizer, pairs, args):
     return {"input_ids": ids, "attention_mask": mask, "labels": labels, "advantages": advantages}, r.mean().item()
 
 
-def push_weights(model, rollout_model):
-    """Stream the trained weights into the rollout engine, one full HF-named tensor at a time."""
+def push_weights(model, rollout_model, lora=False):
+    """Stream the trained weights into the rollout engine, one full HF-named tensor at a time (with LoRA the
+    adapters merged in: the rollout model is a plain HF model)."""
     target = rollout_model.state_dict()
     with torch.no_grad():
-        for name, tensor in model.iter_hf_weights():
+        for name, tensor in model.iter_hf_weights(merge_lora=lora):
             target[name].copy_(tensor)
 
 
@@ -125,13 +132,15 @@ def main(argv=None):
     # every prompt has the same length ("Q: 07 + 05 ="), so no padding in the prompts
     pairs = prompts(args.iterations * args.prompts_per_step * 64, args.seed)
     loader = DataLoader(pairs, batch_size=args.prompts_per_step, shuffle=True, collate_fn=lambda rows: rows, drop_last=True)
+    model = with_lora(model, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.learning_rate, betas=(0.9, 0.99), weight_decay=0.0)
     steps = args.iterations * args.updates_per_rollout
     scheduler = MegatronLMDummyScheduler(optimizer, total_num_steps=steps, warmup_num_steps=0)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 
     # the reference policy of the KL term: the initial weights, in host memory (no second model on the device)
-    reference = accelerator.snapshot_weights() if args.kl_coef else None
+    # (with LoRA the base model is the reference: adapters switched off, nothing copied)
+    reference = accelerator.snapshot_weights() if args.kl_coef and not args.lora_r else None
     history = []
     for it, batch_pairs in enumerate(loader):
         if it == args.iterations:
@@ -155,8 +164,8 @@ def main(argv=None):
         # 2. rewards and advantages; 3. log-probs of the sampling policy
         batch, mean_reward = rollout_batch(samples.cpu(), prompt_ids, tokenizer, batch_pairs, args)
         batch["old_log_probs"] = model.compute_log_probs(batch, temperature=args.temperature)
-        if reference is not None:
-            with accelerator.use_weights(reference):
+        if args.kl_coef:
+            with model.disable_adapter() if args.lora_r else accelerator.use_weights(reference):
                 batch["ref_log_probs"] = model.compute_log_probs(batch, temperature=args.temperature)
         history.append(mean_reward)
         # 4. updates on mini-batches of the rollout: after the first, the ratio to the sampling policy moves
@@ -172,7 +181,7 @@ def main(argv=None):
             optimizer.zero_grad()
             metrics = out.metrics
         if rollout_model is not None:
-            push_weights(model, rollout_model)
+            push_weights(model, rollout_model, lora=bool(args.lora_r))
         if args.log_every and (it + 1) % args.log_every == 0:
             recent = history[-args.log_every:]
             accelerator.print(f"iteration {it + 1}: mean reward {sum(recent) / len(recent):.3f}  "

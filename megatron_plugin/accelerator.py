@@ -21,6 +21,7 @@ from .build import build
 from .data.indexed import MegatronLMDummyDataLoader
 from .engine import checkpoint
 from .engine.data import prepare_megatron_dataloader
+from .engine.lora import check_lora_run, peft_inputs
 from .engine.optimizer import MegatronLMOptimizerWrapper
 from .engine.scheduler import MegatronLMDummyScheduler, MegatronLMSchedulerWrapper
 from .errors import MegatronPluginConfigError
@@ -98,12 +99,16 @@ class Accelerator(accelerate.Accelerator):
         if self._megatron is None:
             return super().prepare(*args, device_placement=device_placement)
         args = tuple(_from_accelerate(a) for a in args)
+        # a PeftModel: its adapters checked and kept apart, the rest of prepare sees the HF model inside it
+        args, lora = peft_inputs(args)
         inputs = Inputs.sort(args, self._megatron, already_prepared=self._engine is not None)
         spec = resolve(inputs, self._megatron, world_size=self.num_processes, device_type=self.device.type,
                        mixed_precision=self.mixed_precision, dynamo_plugin=getattr(self.state, "dynamo_plugin", None),
                        project_dir=self.project_dir)
+        if lora is not None:
+            check_lora_run(lora, spec.plugin, inputs.optimizer)
         timeout = getattr(getattr(self, "init_handler", None), "timeout", None)  # InitProcessGroupKwargs
-        engine, layout, iterators = build(spec, inputs, timeout=timeout)
+        engine, layout, iterators = build(spec, inputs, timeout=timeout, lora=lora)
         self.state.megatron_lm_plugin = spec.plugin
         self._engine = engine
         self._megatron_iterators = list(iterators)
@@ -240,16 +245,22 @@ class Accelerator(accelerate.Accelerator):
                 parallel_state.destroy_model_parallel()
         super().end_training()
 
-    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True):
+    def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True, merge_lora=False):
         """Write an HF checkpoint (config, sharded safetensors, index) straight from the TP/PP model:
-        tensor by tensor, written by global rank 0, `from_pretrained` loads it. Collective."""
+        tensor by tensor, written by global rank 0, `from_pretrained` loads it. Collective. A model prepared
+        from a peft PeftModel writes its adapter folder (adapter_config.json, adapter_model.safetensors) that
+        `PeftModel.from_pretrained(base, dir)` loads; `merge_lora=True` writes the full HF weights with the
+        adapters merged in instead (what peft's merge_and_unload().save_pretrained writes)."""
         if self._megatron is None:
+            if merge_lora:
+                raise MegatronPluginConfigError("save_model(merge_lora)", True,
+                                                "merge_lora is for Megatron runs: merge with peft's merge_and_unload()")
             return super().save_model(model, save_directory, max_shard_size=max_shard_size,
                                       safe_serialization=safe_serialization)
         from .engine.export import save_model
 
         engine = self._prepared("save_model", ready=True)
-        return save_model(engine, save_directory, max_shard_size, safe_serialization)
+        return save_model(engine, save_directory, max_shard_size, safe_serialization, merge_lora=merge_lora)
 
     # -- post-training ----------------------------------------------------------------------------
     def offload(self, model=None, params: bool = True, grads: bool = True, optimizer: bool = True):

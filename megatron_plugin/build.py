@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 from types import SimpleNamespace
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -15,6 +15,7 @@ from .engine.checkpointing.collective import agree
 from .engine.cpu import CPUEngine
 from .engine.distributed import start
 from .engine.gpu import MegatronCoreEngine
+from .engine.lora import LoraRun, lora_chunks, lora_optimizer
 from .engine.optimizer import SUPPORTED, rebuild_optimizer, trainable_flags
 from .engine.scheduler import build_scheduler
 from .engine.tensorboard import TensorBoardLogger
@@ -45,9 +46,9 @@ def megatron_args(spec: RunSpec, model: MegatronModel) -> SimpleNamespace:
     return args
 
 
-def build_chunks(spec: RunSpec, inputs: Inputs) -> List[MegatronModel]:
+def build_chunks(spec: RunSpec, inputs: Inputs, lora: Optional[LoraRun] = None) -> List[MegatronModel]:
     """This rank's model chunks (one per virtual pipeline stage) with the HF weights, frozen where the HF
-    model's parameters are."""
+    model's parameters are; for a PeftModel (`lora`), the base frozen and its adapters attached."""
     # a damaged file may be read by some ranks only (pipeline stages read different tensors): every
     # rank raises the error, so none waits in a collective
     if spec.plugin.custom_model_provider_function is not None:
@@ -57,6 +58,8 @@ def build_chunks(spec: RunSpec, inputs: Inputs) -> List[MegatronModel]:
             return chunks
 
         return agree(provided)
+    if lora is not None:
+        return agree(lambda: lora_chunks(spec, lora))
     chunks = agree(lambda: MegatronModel.chunks_from_hf(inputs.model, spec.plugin, params_dtype=spec.params_dtype,
                                                         reader=spec.reader))
     for chunk in chunks:
@@ -81,7 +84,8 @@ def check_provided_precision(config, spec: RunSpec) -> None:
         )
 
 
-def build_engine(spec: RunSpec, inputs: Inputs, chunks: List[MegatronModel], layout: Layout):
+def build_engine(spec: RunSpec, inputs: Inputs, chunks: List[MegatronModel], layout: Layout,
+                 lora: Optional[LoraRun] = None):
     """The CUDA engine (megatron-core's DDP, optimizer and schedules) or the CPU one (torch collectives)."""
     model = chunks[0]
     step_args = megatron_args(spec, model)
@@ -92,6 +96,8 @@ def build_engine(spec: RunSpec, inputs: Inputs, chunks: List[MegatronModel], lay
     else:
         if model.provided:
             inner = provided_module_optimizer(inputs.optimizer, model.module, spec.plugin)
+        elif lora is not None:
+            inner = lora_optimizer(inputs.optimizer, lora, model, plugin=spec.plugin)
         else:
             sources = mcore_to_hf_sources(model.family, model.hf_config, model.plan, model.variant)
             inner = rebuild_optimizer(inputs.optimizer, inputs.model, sources, dict(model.module.named_parameters()),
@@ -99,6 +105,7 @@ def build_engine(spec: RunSpec, inputs: Inputs, chunks: List[MegatronModel], lay
         sched = build_scheduler(inputs.scheduler, inner, spec.plugin) if inputs.scheduler else None
         engine = CPUEngine(chunks, inner, sched, spec.plugin, step, layout.device, autocast_dtype=spec.dtype)
     engine.megatron_args = step_args
+    engine.lora = lora.built() if lora is not None else None
     engine.tensorboard = TensorBoardLogger(spec.plugin) if spec.plugin.tensorboard_dir is not None else None
     if getattr(engine, "config", None) is None:  # HF scripts read model.config of what prepare returned
         engine.config = model.hf_config
@@ -202,13 +209,14 @@ class _MegatronSamples(torch.utils.data.Dataset):
         )
 
 
-def build(spec: RunSpec, inputs: Inputs, timeout=None):
+def build(spec: RunSpec, inputs: Inputs, timeout=None, lora: Optional[LoraRun] = None):
     """-> (engine, layout, the indexed-data iterators: train, validation, test as many as were asked for).
-    `timeout` (a timedelta: accelerate's InitProcessGroupKwargs) also bounds megatron-core's groups."""
+    `timeout` (a timedelta: accelerate's InitProcessGroupKwargs) also bounds megatron-core's groups. `lora`:
+    the PeftModel's adapters and base weights (engine/lora.peft_inputs)."""
     patches.install(*spec.patches)
     # whole minutes (megatron-core's unit), rounded up: never shorter than the user's timeout
     minutes = max(1, math.ceil(timeout.total_seconds() / 60)) if timeout is not None else 30
     layout = start(spec.plugin, spec.num_layers, timeout_minutes=minutes)
-    chunks = build_chunks(spec, inputs)
+    chunks = build_chunks(spec, inputs, lora)
     iterators = indexed_iterators(spec, inputs, layout)
-    return build_engine(spec, inputs, chunks, layout), layout, iterators
+    return build_engine(spec, inputs, chunks, layout, lora), layout, iterators

@@ -124,6 +124,7 @@ class MegatronEngine(torch.nn.Module):
         self._pending_check = None  # this step's DeferredCheck, until the first forward has been queued
         self.returned_loss = ReturnedLoss(device)
         self.expert_load = ExpertLoad.of(chunks, device)  # None without MoE layers
+        self.lora = None  # engine/lora.LoraRun when prepare was given a PeftModel (set by build)
 
     # -- the step -------------------------------------------------------------------------------
     def forward(self, **batch):
@@ -358,6 +359,20 @@ class MegatronEngine(torch.nn.Module):
     def is_offloaded(self) -> bool:
         return self.post_training.is_offloaded
 
+    def disable_adapter(self):
+        """peft's idiom on the prepared PeftModel: `with model.disable_adapter():` the model runs its base
+        weights (log-probs, generation, evaluation: the KL reference with no snapshot and no second model), and
+        its adapters again after the block."""
+        from .lora import adapters_disabled
+
+        if self.lora is None:
+            raise MegatronPluginConfigError(
+                "disable_adapter()", "a model without LoRA adapters",
+                "it is for a peft PeftModel passed to prepare (peft.get_peft_model(model, LoraConfig(...))); for "
+                "another reference model use accelerator.snapshot_weights() and use_weights()",
+            )
+        return adapters_disabled(self.chunks)
+
     # -- conveniences -----------------------------------------------------------------------------
     def megatron_generate(self, inputs, attention_mask=None, *args, **kwargs):
         """Generate with the tensor-parallel model (see `megatron_plugin.generation.generate`). Arguments
@@ -375,13 +390,14 @@ class MegatronEngine(torch.nn.Module):
         self.check_ready("save_pretrained")
         return save_pretrained(self, save_directory, **kwargs)
 
-    def iter_hf_weights(self, grads: bool = False):
+    def iter_hf_weights(self, grads: bool = False, merge_lora: bool = False):
         """(HF name, full tensor) of the whole model, one at a time, on every rank (collective: every rank
-        of the replica consumes it to the end): for pushing weights into an inference engine after a step."""
+        of the replica consumes it to the end): for pushing weights into an inference engine after a step.
+        A LoRA model's base weights, or with `merge_lora` its weights with the adapters merged in."""
         from .export import iter_hf_weights
 
         self.check_ready("iter_hf_weights", swapped_ok=True)
-        return iter_hf_weights(self, grads=grads)
+        return iter_hf_weights(self, grads=grads, merge_lora=merge_lora)
 
     def hf_state_dict(self):
         """The full HF state dict of this pipeline stage (collective over the TP group)."""

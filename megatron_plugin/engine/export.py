@@ -26,15 +26,28 @@ from .checkpointing.collective import agree
 from .hf_io import HFShardWriter, parse_size
 
 
-def iter_hf_weights(engine, grads: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
+def iter_hf_weights(engine, grads: bool = False, merge_lora: bool = False) -> Iterator[Tuple[str, torch.Tensor]]:
     """Yield (HF name, full tensor) for the whole model on every rank; collective: every rank of the
     replica must consume it to the end. With `grads`, the parameters' gradients. A tensor may share
-    memory with the live parameter (TP=1, no conversion): copy it if you keep it past the next step."""
+    memory with the live parameter (TP=1, no conversion): copy it if you keep it past the next step. A LoRA
+    model yields its base weights, or with `merge_lora` the weights with the adapters merged in (what a
+    rollout engine without LoRA needs)."""
     _plan_check(engine, "iter_hf_weights")  # here, not at the first tensor: the generator below starts late
-    return _iter_hf_weights(engine, grads)
+    merge = None
+    if merge_lora:
+        if getattr(engine, "lora", None) is None or grads:
+            raise MegatronPluginConfigError(
+                "iter_hf_weights(merge_lora)", True,
+                "it merges a LoRA model's adapters into its weights: leave it out for a model without adapters or "
+                "with grads=True",
+            )
+        from .lora import lora_merger
+
+        merge = lora_merger(engine)  # collective, so here rather than at the generator's first step
+    return _iter_hf_weights(engine, grads, merge)
 
 
-def _iter_hf_weights(engine, grads: bool) -> Iterator[Tuple[str, torch.Tensor]]:
+def _iter_hf_weights(engine, grads: bool, merge=None) -> Iterator[Tuple[str, torch.Tensor]]:
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     pp_rank = parallel_state.get_pipeline_model_parallel_rank()
     tp = parallel_state.get_tensor_model_parallel_world_size()
@@ -66,7 +79,7 @@ def _iter_hf_weights(engine, grads: bool) -> Iterator[Tuple[str, torch.Tensor]]:
             if pp > 1:
                 tensor = tensor.contiguous()
                 dist.broadcast(tensor, src=dist.get_global_rank(pp_group, owner), group=pp_group)
-            yield name[strip:], tensor
+            yield name[strip:], (tensor if merge is None else merge(name[strip:], tensor))
 
 
 def _plan_check(engine, what: str):
@@ -79,16 +92,27 @@ def _plan_check(engine, what: str):
 
 
 def save_model(engine, save_directory: str, max_shard_size="10GB", safe_serialization: bool = True,
-               what: str = "save_model") -> str:
+               what: str = "save_model", merge_lora: bool = False) -> str:
     """Write the model as an HF checkpoint (config, sharded safetensors, index) that `from_pretrained`
-    loads. Collective over every rank; only global rank 0 writes, one shard in memory at a time."""
+    loads. Collective over every rank; only global rank 0 writes, one shard in memory at a time. A model
+    prepared from a peft PeftModel writes its PEFT adapter folder instead (`PeftModel.from_pretrained(base,
+    dir)` loads it), or with `merge_lora` the full HF weights with the adapters merged in (peft's
+    merge_and_unload, then save_pretrained)."""
     _plan_check(engine, what)
     if not safe_serialization:
         raise MegatronPluginConfigError("safe_serialization", False, "save_model writes safetensors only: pass True")
     parse_size(max_shard_size)
+    lora = getattr(engine, "lora", None)
+    if merge_lora and lora is None:
+        raise MegatronPluginConfigError(f"{what}(merge_lora)", True,
+                                        "the model has no LoRA adapters to merge: leave merge_lora out")
     rank = dist.get_rank()
     directory = os.path.abspath(save_directory)
-    agree(lambda: check_writable(directory, "save_model(save_directory)") if rank == 0 else None)
+    agree(lambda: check_writable(directory, f"{what}(save_directory)") if rank == 0 else None)
+    if lora is not None and not merge_lora:
+        from .lora import save_adapter_folder
+
+        return save_adapter_folder(engine, directory)
     writer = None
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
@@ -98,7 +122,7 @@ def save_model(engine, save_directory: str, max_shard_size="10GB", safe_serializ
     # different replicas, the experts are gathered over those: every replica walks then, with its peers
     first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0  # CP ranks: replicas too
     if first_replica or any(experts_laid_apart(chunk.plan) for chunk in engine.chunks):
-        for name, tensor in iter_hf_weights(engine):
+        for name, tensor in iter_hf_weights(engine, merge_lora=merge_lora):
             if writer is not None:
                 writer.add(name, tensor)
     if writer is not None:
@@ -119,7 +143,7 @@ def full_state_dict(engine) -> dict:
 
 def save_pretrained(engine, save_directory: str, is_main_process: bool = True, state_dict=None, push_to_hub: bool = False,
                     max_shard_size="10GB", variant=None, save_function=None, safe_serialization: bool = True,
-                    **kwargs) -> str:
+                    merge_lora: bool = False, **kwargs) -> str:
     """`unwrap_model(model).save_pretrained(dir, ...)` as HF scripts call it: the HF checkpoint
     `accelerator.save_model` writes, which `from_pretrained` loads. Collective: every rank calls it, as
     scripts do when they pass `is_main_process=accelerator.is_main_process` (accepted, like
@@ -139,8 +163,10 @@ def save_pretrained(engine, save_directory: str, is_main_process: bool = True, s
         raise MegatronPluginConfigError(f"save_pretrained({name})", variant if variant is not None else True,
                                         "not supported for the Megatron model: leave it out")
     # HF's options that change nothing in what is written here
-    unknown = sorted(set(kwargs) - {"token", "save_peft_format", "save_original_format", "distributed_checkpoint"})
+    unknown = sorted(set(kwargs) - {"token", "save_peft_format", "save_original_format", "distributed_checkpoint",
+                                    "selected_adapters", "save_embedding_layers"})
     if unknown:
         raise MegatronPluginConfigError(f"save_pretrained({unknown[0]})", kwargs[unknown[0]],
                                         "not supported for the Megatron model: leave it out")
-    return save_model(engine, save_directory, max_shard_size, safe_serialization, what="save_pretrained")
+    return save_model(engine, save_directory, max_shard_size, safe_serialization, what="save_pretrained",
+                      merge_lora=merge_lora)

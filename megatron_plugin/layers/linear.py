@@ -7,6 +7,7 @@ from megatron.core.tensor_parallel import ColumnParallelLinear as _McoreColumnPa
 from megatron.core.tensor_parallel import RowParallelLinear as _McoreRowParallelLinear
 
 from . import compiled_linear
+from .lora import adapters_of, lora_delta
 from .sp_comm import gather_first_dim
 
 
@@ -31,6 +32,42 @@ def _forward(layer, parent_forward, *args, **kwargs):
             and not _as_ops(layer)):
         return _outside_compiled_graph(parent_forward, *args, **kwargs)
     return parent_forward(*args, **kwargs)
+
+
+def _with_lora(layer, out, input_):
+    """The base output plus the LoRA adapters' (`layers/lora.py`), after the base's own reduction. Their
+    TP collectives run where the linear's do: as ops inside the compiled graph (`_as_ops`), else eagerly
+    between compiled pieces (see `_forward`)."""
+    if not adapters_of(layer):
+        return out
+    output, bias = out
+    if _as_ops(layer):
+        delta = lora_delta(layer, input_, traced=True)
+    elif layer.tp_group is not None and layer.tp_group.size() > 1 and torch.compiler.is_compiling():
+        delta = _outside_compiled_graph(lora_delta, layer, input_)
+    else:
+        delta = lora_delta(layer, input_)
+    return output + delta.to(output.dtype), bias
+
+
+def _with_lora_shards(layer, sharded, prefix, sharded_offsets, metadata):
+    """mcore's sharded state dict of a linear takes every tensor but its weight and bias as replicated
+    over TP; an adapter's split tensor (column: lora_B along its rows; row: lora_A along its columns) is
+    sharded like the weight instead, so that a distributed checkpoint holds each adapter whole."""
+    adapters = getattr(layer, "lora_adapters", None)
+    if not adapters:
+        return sharded
+    from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
+
+    own = {k: v for k, v in layer.state_dict(prefix="", keep_vars=True).items() if k.startswith("lora_adapters.")}
+    axes = {}
+    for name, a in adapters.items():
+        column = a.parallel == "column"
+        axes[f"lora_adapters.{name}.lora_{'B' if column else 'A'}"] = 0 if column else 1
+    dp_cp_group = ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]
+    sharded.update(make_sharded_tensors_for_checkpoint(own, prefix, axes, sharded_offsets, tp_group=layer.tp_group,
+                                                       dp_cp_group=dp_cp_group))
+    return sharded
 
 
 def _ops_linear(layer, input, weight, kwargs):
@@ -76,8 +113,12 @@ class ColumnParallelLinear(_McoreColumnParallelLinear):
     """mcore's ColumnParallelLinear that also trains under CPU autocast (see `_cast_for_cpu_autocast`) and
     stays out of compiled graphs with TP > 1 (see `_forward`)."""
 
-    def forward(self, *args, **kwargs):
-        return _forward(self, super().forward, *args, **kwargs)
+    def forward(self, input_, *args, **kwargs):
+        return _with_lora(self, _forward(self, super().forward, input_, *args, **kwargs), input_)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return _with_lora_shards(self, super().sharded_state_dict(prefix, sharded_offsets, metadata), prefix,
+                                 sharded_offsets, metadata)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         out = _ops_linear(self, input, weight, kwargs)
@@ -102,8 +143,12 @@ class RowParallelLinear(_McoreRowParallelLinear):
     def forward(self, input_, *args, **kwargs):
         if (_as_ops(self) and self.tp_group is not None and self.tp_group.size() > 1 and self.input_is_parallel
                 and not self.explicit_expert_comm):
-            return self._ops_forward(input_)
-        return _forward(self, super().forward, input_, *args, **kwargs)
+            return _with_lora(self, self._ops_forward(input_), input_)
+        return _with_lora(self, _forward(self, super().forward, input_, *args, **kwargs), input_)
+
+    def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
+        return _with_lora_shards(self, super().sharded_state_dict(prefix, sharded_offsets, metadata), prefix,
+                                 sharded_offsets, metadata)
 
     def _ops_forward(self, input_):
         """mcore's forward for an input split over TP, with the linear and the TP sum (all-reduce, or

@@ -185,16 +185,19 @@ class MegatronModel(torch.nn.Module):
 
     @classmethod
     def chunks_from_hf(cls, hf_model: torch.nn.Module, plugin: MegatronLMPlugin, params_dtype=torch.float32,
-                       backend: Optional[str] = None, reader=None) -> list:
+                       backend: Optional[str] = None, reader=None,
+                       state: Optional[Dict[str, torch.Tensor]] = None) -> list:
         """This rank's model chunks (one per virtual pipeline stage), carrying the HF weights: the model's
-        own, or, with `reader` (an HFReader, for a model without weights), read from its files, each rank
-        its own slices."""
+        own, or `state` (plain HF names: a PeftModel's base weights, whose live names peft has changed), or,
+        with `reader` (an HFReader, for a model without weights), read from its files, each rank its own
+        slices."""
         layout = current_layout()
         family = get_family(hf_model.config)
         config = build_transformer_config(family, hf_model.config, plugin, params_dtype=params_dtype,
                                           device_type=layout.device.type)
         vp = config.virtual_pipeline_model_parallel_size
-        state = hf_state_dict_of(hf_model) if reader is None else None
+        if reader is None and state is None:
+            state = hf_state_dict_of(hf_model)
         variant = family.variant_of(hf_model)
         chunks = []
         for vp_stage in range(vp or 1):

@@ -1,0 +1,228 @@
+"""LoRA runs (issue 29): a peft `PeftModel` handed to `prepare`, on the engine's side.
+
+`peft_inputs` takes the PeftModel out of prepare's arguments before anything else looks at them: its
+adapters are checked (models/lora.lora_spec_of refuses what we do not map, by name, before any process
+group) and the rest of prepare sees the HF model inside it, as for full fine-tuning. `build` then builds
+the Megatron chunks from the base weights (plain HF names), attaches and loads this rank's adapter shards
+(`lora_chunks`), and the CPU engine's optimizer holds the adapters only (`lora_optimizer`). The frozen base
+therefore has no gradient, no fp32 master copy and no optimizer state on either engine: the CPU optimizer is
+built over trainable parameters only, and megatron-core's DDP and optimizer skip `requires_grad=False`
+parameters (distributed_data_parallel.py and optimizer/__init__.py's _get_param_groups in 0.16.1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import re
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Tuple
+
+import torch
+
+from ..errors import MegatronPluginConfigError
+from ..models.lora import is_peft_model
+
+
+@dataclass(frozen=True)
+class LoraRun:
+    """What a LoRA prepare carries from the PeftModel to the engine."""
+
+    spec: object  # models.lora.LoraSpec
+    peft_model: Optional[torch.nn.Module]  # None once the engine is built (`built`)
+    base_state: Dict[str, torch.Tensor]  # the base model's weights under plain HF names
+    adapter_state: Dict[str, torch.Tensor]  # get_peft_model_state_dict's names
+    trainable: Tuple[str, ...]  # the PeftModel's trainable parameter names
+
+    @property
+    def hf_model(self) -> torch.nn.Module:
+        """The transformers model inside the PeftModel: config, variant and family come from it."""
+        return self.peft_model.get_base_model()
+
+    def built(self) -> "LoraRun":
+        """What the engine keeps once its chunks and optimizer exist: the spec. The PeftModel and its
+        tensors are let go, so the HF weights are not held in host memory for the whole run."""
+        return dataclasses.replace(self, peft_model=None, base_state={}, adapter_state={})
+
+
+def peft_inputs(args) -> Tuple[tuple, Optional[LoraRun]]:
+    """prepare's arguments with a PeftModel replaced by its transformers model, and the LoraRun (None without
+    one). Refuses what the Megatron adapters do not do, before any collective."""
+    found = [i for i, a in enumerate(args) if is_peft_model(a)]
+    if not found:
+        return args, None
+    from ..models.lora import base_state_dict, lora_spec_of
+
+    peft_model = args[found[0]]
+    spec = lora_spec_of(peft_model)
+    from peft import get_peft_model_state_dict
+
+    adapter_state = {k: v.detach()
+                     for k, v in get_peft_model_state_dict(peft_model, adapter_name=spec.adapter_name).items()}
+    run = LoraRun(spec=spec, peft_model=peft_model, base_state=base_state_dict(peft_model),
+                  adapter_state=adapter_state,
+                  trainable=tuple(n for n, p in peft_model.named_parameters() if p.requires_grad))
+    args = tuple(run.hf_model if i == found[0] else a for i, a in enumerate(args))
+    return args, run
+
+
+def check_lora_run(run: LoraRun, plugin, optimizer) -> None:
+    """What a LoRA run cannot be combined with, and an optimizer that misses the adapters: before any
+    collective."""
+    if plugin.custom_model_provider_function is not None:
+        raise MegatronPluginConfigError(
+            "custom_model_provider_function", getattr(plugin.custom_model_provider_function, "__qualname__", "set"),
+            "a PeftModel's adapters are attached to the module prepare builds from the HF model: leave "
+            "custom_model_provider_function unset, or pass the model without peft",
+        )
+    in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    params = dict(run.peft_model.named_parameters())
+    missing = [n for n in run.trainable if id(params[n]) not in in_optimizer]
+    if missing:
+        raise MegatronPluginConfigError(
+            "optimizer", f"parameter {missing[0]} missing",
+            "build the optimizer over peft_model.parameters() (or its trainable ones) after get_peft_model: "
+            f"{missing[0]} trains but is in no optimizer group",
+        )
+
+
+def lora_chunks(spec, run: LoraRun) -> list:
+    """This rank's model chunks: the base weights, every parameter frozen, then this stage's adapters
+    attached (trainable) and filled from the peft model's."""
+    from ..models.lora import attach_lora, load_lora
+    from ..models.modeling import MegatronModel
+
+    chunks = MegatronModel.chunks_from_hf(run.hf_model, spec.plugin, params_dtype=spec.params_dtype,
+                                          reader=spec.reader, state=None if spec.reader is not None else run.base_state)
+    for chunk in chunks:
+        attach_lora(chunk, run.spec)
+        load_lora(chunk, run.adapter_state)
+    return chunks
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)\.lora_adapters\.([^.]+)\.(lora_[AB])$")
+
+
+def peft_name_of(chunk, name: str, run: LoraRun) -> Optional[str]:
+    """The PeftModel parameter a trainable Megatron parameter of `chunk` comes from (for its optimizer group):
+    an adapter's by layer, target and A/B; a modules_to_save tensor's by the mapping table's HF name."""
+    m = _LAYER.match(name)
+    if m is not None:
+        layer = int(m.group(1)) + chunk.plan.layer_offset
+        target, ab = m.group(3), m.group(4)
+        tail = f".{target}.{ab}.{run.spec.adapter_name}.weight"
+        found = [n for n in run.trainable if n.endswith(tail) and re.search(rf"\.{layer}\.", n)]
+        if len(found) > 1:  # GPT-2's c_proj: attention's and the MLP's
+            where = "attn" if "self_attention" in m.group(2) else "mlp"
+            found = [n for n in found if f".{where}." in n]
+        return found[0] if len(found) == 1 else None
+    from ..models.convert import mcore_to_hf_sources
+
+    sources = mcore_to_hf_sources(chunk.family, chunk.hf_config, chunk.plan, chunk.variant).get(name, ())
+    for hf_name in sources:
+        stem, _, leaf = hf_name.rpartition(".")
+        wanted = f"{stem}.modules_to_save.{run.spec.adapter_name}.{leaf}"
+        found = [n for n in run.trainable if n.endswith(wanted)]
+        if found:
+            return found[0]
+    return None
+
+
+def lora_optimizer(user_opt: torch.optim.Optimizer, run: LoraRun, chunk, plugin=None) -> torch.optim.Optimizer:
+    """The CPU engine's optimizer: the user's class and per-group hyper-parameters over this rank's trainable
+    Megatron parameters (adapters, modules_to_save), each in the group its peft parameter was in."""
+    from .optimizer import SUPPORTED, check_optimizer, check_optimizer_fields, group_settings
+
+    check_optimizer(user_opt)
+    if plugin is not None:
+        check_optimizer_fields(plugin, user_opt, "cpu")
+    params = dict(run.peft_model.named_parameters())
+    group_of = {id(p): gi for gi, g in enumerate(user_opt.param_groups) for p in g["params"]}
+    used = sorted({group_of[id(params[n])] for n in run.trainable if id(params[n]) in group_of})
+    keys = SUPPORTED[type(user_opt)]
+    split: Dict[Tuple[int, float, float], List[torch.nn.Parameter]] = {}
+    for name, param in chunk.module.named_parameters():
+        if not param.requires_grad:
+            continue
+        peft_name = peft_name_of(chunk, name, run)
+        if peft_name is not None:
+            gi = group_of[id(params[peft_name])]
+        elif len(used) == 1:
+            gi = used[0]
+        else:
+            raise MegatronPluginConfigError(
+                "optimizer", f"{len(used)} parameter groups",
+                f"the trainable Megatron parameter {name} has no PeftModel parameter to take its group from: put "
+                "the adapters in one optimizer group",
+            )
+        mult, wd = group_settings(plugin, user_opt, gi, name, param)
+        split.setdefault((gi, mult, wd), []).append(param)
+    groups = []
+    for (gi, mult, wd), plist in sorted(split.items(), key=lambda kv: kv[0]):
+        g = {"params": plist, **{k: user_opt.param_groups[gi][k] for k in keys if k in user_opt.param_groups[gi]}}
+        if "weight_decay" in g or wd:
+            g["weight_decay"] = wd
+        if mult != 1.0:
+            g["lr"], g["lr_mult"] = g["lr"] * mult, mult
+        groups.append(g)
+    return type(user_opt)(groups)
+
+
+@contextlib.contextmanager
+def adapters_disabled(chunks):
+    """peft's `disable_adapter()` on the prepared model: every chunk runs its base weights inside the block."""
+    from ..layers.lora import lora_disabled
+
+    with contextlib.ExitStack() as stack:
+        for chunk in chunks:
+            stack.enter_context(lora_disabled(chunk.module))
+        yield
+
+
+def adapter_tensors(engine) -> Dict[str, torch.Tensor]:
+    """The adapters as peft names them (get_peft_model_state_dict), whole, on global rank 0 at least.
+    Collective: every rank walks every chunk (TP gathers, pipeline stages sent to rank 0)."""
+    from ..models.lora import lora_hf_state_dict
+
+    return lora_hf_state_dict(list(engine.chunks))
+
+
+def save_adapter_folder(engine, directory: str) -> str:
+    """peft's adapter folder (adapter_config.json, adapter_model.safetensors), written by global rank 0.
+    Collective."""
+    import torch.distributed as dist
+
+    from ..models.lora import save_adapter
+
+    tensors = adapter_tensors(engine)
+    if dist.get_rank() == 0:
+        save_adapter(directory, engine.lora.spec, tensors,
+                     base_name_or_path=getattr(engine.model.hf_config, "name_or_path", None) or None)
+    dist.barrier()
+    return directory
+
+
+def lora_merger(engine):
+    """`merge(hf_name, base_tensor) -> merged tensor`: peft's merge_and_unload (W + scaling * B A, in the HF
+    layout: GPT-2's Conv1D stores W as [in, out]) for the tensors the adapters sit on, the others as they
+    are. Collective: gathers the whole adapters onto every rank of the replica, each of which then merges
+    what it yields."""
+    from ..models.lora_targets import FAMILY_TARGETS
+
+    tensors = adapter_tensors(engine)
+    spec, family = engine.lora.spec, engine.model.family
+    conv1d = tuple(t.hf for t in FAMILY_TARGETS.get(family.name, ("", {}))[1].values() if t.conv1d)
+
+    def merge(name: str, tensor: torch.Tensor) -> torch.Tensor:
+        stem = name[: -len(".weight")] if name.endswith(".weight") else None
+        a = tensors.get(f"base_model.model.{stem}.lora_A.weight") if stem else None
+        b = tensors.get(f"base_model.model.{stem}.lora_B.weight") if stem else None
+        if a is None or b is None:
+            return tensor
+        # peft's order of operations (LoraLayer.get_delta_weight, then +=), so fp32 merges agree bit for bit
+        delta = b.to(tensor.dtype) @ a.to(tensor.dtype)
+        if conv1d and stem.endswith(conv1d):
+            delta = delta.T
+        return tensor + delta * spec.scaling
+
+    return merge
