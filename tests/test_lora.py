@@ -27,8 +27,8 @@ def _peft(family, targets, seed=0, **config):
     from peft import LoraConfig, get_peft_model
 
     torch.manual_seed(seed + 100)
-    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets), init_lora_weights=False,
-                     **config)
+    config = {"init_lora_weights": False, **config}
+    cfg = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(targets), **config)
     return get_peft_model(_hf(family, seed), cfg)
 
 
@@ -267,6 +267,7 @@ def test_lora_linears_compile_without_graph_breaks():
     ("llama", ["q_proj"], dict(layers_to_transform=[0]), "layers_to_transform"),
     ("llama", ["q_proj", "v_proj"], dict(rank_pattern={"v_proj": 8}), "rank_pattern"),
     ("llama", ["q_proj"], dict(modules_to_save=["rotary_emb"]), "modules_to_save"),
+    ("llama", ["q_proj"], dict(init_lora_weights="pissa"), "init_lora_weights"),
 ])
 def test_lora_refusals_name_the_setting(family, targets, config, setting):
     from megatron_plugin.errors import MegatronPluginConfigError

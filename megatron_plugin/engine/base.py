@@ -371,6 +371,16 @@ class MegatronEngine(torch.nn.Module):
                 "it is for a peft PeftModel passed to prepare (peft.get_peft_model(model, LoraConfig(...))); for "
                 "another reference model use accelerator.snapshot_weights() and use_weights()",
             )
+        saved = self.lora.spec.modules_to_save
+        if saved:
+            # peft's disable_adapter() also swaps each modules_to_save copy back to its original, which the
+            # Megatron model does not keep
+            raise MegatronPluginConfigError(
+                "disable_adapter()", f"modules_to_save={list(saved)}",
+                "the original weights of modules_to_save are not kept, so the base model cannot be run: for a "
+                "reference model take accelerator.snapshot_weights() before training and use_weights(), or train "
+                "without modules_to_save",
+            )
         return adapters_disabled(self.chunks)
 
     # -- conveniences -----------------------------------------------------------------------------

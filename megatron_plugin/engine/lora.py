@@ -75,6 +75,17 @@ def check_lora_run(run: LoraRun, plugin, optimizer) -> None:
             "a PeftModel's adapters are attached to the module prepare builds from the HF model: leave "
             "custom_model_provider_function unset, or pass the model without peft",
         )
+    if plugin.recompute_granularity is not None or plugin.recompute_activations:
+        # megatron-core's recompute wraps the layers in a reentrant checkpoint whose output carries gradients only
+        # if an input does; with the embedding frozen none does, and the adapters inside would get none
+        raise MegatronPluginConfigError(
+            "recompute_granularity", plugin.recompute_granularity or "selective (recompute_activations)",
+            "activation recompute with LoRA adapters is not supported yet (the frozen embedding leaves the "
+            "recomputed layers without gradients): leave recompute off for a PeftModel",
+        )
+    from ..models.lora import check_lora_layout
+
+    check_lora_layout(run.spec, run.hf_model.config, plugin.tp_degree)
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
     params = dict(run.peft_model.named_parameters())
     missing = [n for n in run.trainable if id(params[n]) not in in_optimizer]

@@ -78,7 +78,7 @@ class LoRAAdapter(nn.Module):
         rank."""
         if not (self.training and isinstance(self.dropout, nn.Dropout)):
             return x
-        if self.split_input and x.is_cuda:
+        if self.split_input and x.is_cuda and _tp_world_size() > 1:  # the fork: a graph break when compiled
             from megatron.core import tensor_parallel
 
             tracker = tensor_parallel.get_cuda_rng_tracker()
@@ -90,6 +90,12 @@ class LoRAAdapter(nn.Module):
     def up(self, h: torch.Tensor) -> torch.Tensor:
         B = self.lora_B.to(h.dtype) if h.dtype != self.lora_B.dtype else self.lora_B
         return F.linear(h, B) * self.scaling
+
+
+def _tp_world_size() -> int:
+    from megatron.core import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
 
 
 def mark_sequence_parallel(adapter: LoRAAdapter) -> None:

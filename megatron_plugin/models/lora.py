@@ -10,6 +10,8 @@ tensors under its plain HF name (`base_model.model.lm_head.weight`). On the Mega
 
 from __future__ import annotations
 
+import sys
+
 import copy
 import json
 import os
@@ -74,6 +76,8 @@ class LoraSpec:
 
 
 def is_peft_model(model) -> bool:
+    if "peft" not in sys.modules:  # a PeftModel cannot exist before peft is imported: plain runs skip the import
+        return False
     try:
         from peft import PeftModel
     except ImportError:  # pragma: no cover - peft is a dependency
@@ -124,6 +128,14 @@ def lora_spec_of(peft_model) -> LoraSpec:
         value = getattr(config, field, default)
         if value and value != default:  # unset reads as None, False or an empty collection
             raise MegatronPluginConfigError(field, value, fix)
+    init = getattr(config, "init_lora_weights", True)
+    if init not in (True, False, "gaussian"):
+        # pissa, olora, corda, eva, loftq rewrite the base weights in get_peft_model: the adapter folder then needs
+        # peft's conversion to load against the original base, and the streamed base weights are the residual
+        raise MegatronPluginConfigError(
+            "init_lora_weights", init, "initializations that rewrite the base weights are not mapped: use True "
+            "(peft's default), False or 'gaussian'",
+        )
     _uniform(getattr(config, "rank_pattern", None), config.r, "rank_pattern")
     _uniform(getattr(config, "alpha_pattern", None), config.lora_alpha, "alpha_pattern")
 
