@@ -333,17 +333,21 @@ def test_grpo_example_with_hf_rollout_and_offload(tmp_path):
     assert float(m.group(2)) >= float(m.group(1)) + 0.2, m.group(0)
 
 
-def test_dpo_example_preference_accuracy_rises(tmp_path):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_dpo_example_preference_accuracy_rises(tmp_path, lora):
+    """lora: `--lora_r 8` trains peft adapters only, the reference log-probs from the base (disable_adapter())."""
     import re
 
+    args = ("--lora_r", 8) if lora else ()
     out = accelerate_launch(os.path.join(CONFIGS, "cpu_tp2.yaml"), os.path.join(ROOT, "examples", "megatron_lm_dpo.py"),
-                            "--output_dir", tmp_path, "--num_train_epochs", 1)
+                            "--output_dir", tmp_path, "--num_train_epochs", 1, *args)
     m = re.search(r"held-out preference accuracy: ([\d.]+)% before, ([\d.]+)% after", out)
     assert m, out[-3000:]
     assert float(m.group(2)) >= 90.0 and float(m.group(2)) >= float(m.group(1)) + 15.0, m.group(0)
     losses = [float(x) for x in re.findall(r"step \d+: loss ([\d.]+)", out)]
     assert losses and losses[-1] < 0.69, losses  # below log 2, where it starts
-    assert os.path.exists(os.path.join(tmp_path, "model", "config.json"))
+    # LoRA: the PEFT adapter folder; else the HF checkpoint
+    assert os.path.exists(os.path.join(tmp_path, "model", "adapter_config.json" if lora else "config.json"))
 
 
 def test_launch_passes_machine_flags_to_the_launched_processes(tmp_path):
