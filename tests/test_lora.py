@@ -20,6 +20,8 @@ def _hf(family, seed=0):
 
     if family == "mixtral":
         return tiny_moe("mixtral", seed=seed)
+    if family == "gpt2_tied":
+        return tiny_gpt2("tied", seed=seed)
     return tiny_llama("llama", seed=seed) if family == "llama" else tiny_gpt2("untied", seed=seed)
 
 
@@ -268,6 +270,7 @@ def test_lora_linears_compile_without_graph_breaks():
     ("llama", ["q_proj", "v_proj"], dict(rank_pattern={"v_proj": 8}), "rank_pattern"),
     ("llama", ["q_proj"], dict(modules_to_save=["rotary_emb"]), "modules_to_save"),
     ("llama", ["q_proj"], dict(init_lora_weights="pissa"), "init_lora_weights"),
+    ("gpt2_tied", ["c_attn"], dict(modules_to_save=["wte"]), "modules_to_save"),
 ])
 def test_lora_refusals_name_the_setting(family, targets, config, setting):
     from megatron_plugin.errors import MegatronPluginConfigError
@@ -305,3 +308,17 @@ def test_lora_refuses_other_methods_and_several_adapters():
         check_lora_layout(spec, _hf("llama").config, 4)
     spec = lora_spec_of(_peft("gpt2", ["c_proj"]))  # both of GPT-2's c_proj: the attention's and the MLP's
     assert spec.target_modules == ("c_proj",) and spec.layer_targets == ("attn.c_proj", "mlp.c_proj")
+
+
+def test_a_compiled_peft_model_is_refused_with_the_fix():
+    """torch.compile(PeftModel) hides the PeftModel (an OptimizedModule): prepare says to pass the PeftModel itself
+    (it compiles the Megatron layers), instead of taking its weights as a plain model's."""
+    from megatron_plugin.engine.lora import peft_inputs
+    from megatron_plugin.errors import MegatronPluginConfigError
+
+    pm = _peft("llama", ["q_proj"])
+    with pytest.raises(MegatronPluginConfigError) as err:
+        peft_inputs((torch.compile(pm),))
+    assert err.value.setting == "model" and "pass the PeftModel itself" in str(err.value)
+    args, run = peft_inputs((pm,))
+    assert run is not None and args[0] is pm.get_base_model()

@@ -48,6 +48,11 @@ class LoraRun:
 def peft_inputs(args) -> Tuple[tuple, Optional[LoraRun]]:
     """prepare's arguments with a PeftModel replaced by its transformers model, and the LoraRun (None without
     one). Refuses what the Megatron adapters do not do, before any collective."""
+    compiled = [a for a in args if is_peft_model(getattr(a, "_orig_mod", None))]
+    if compiled:
+        raise MegatronPluginConfigError(
+            "model", "torch.compile(PeftModel)", "pass the PeftModel itself: prepare compiles the Megatron layers "
+            "(torch_compile=True or accelerate's dynamo settings)")
     found = [i for i, a in enumerate(args) if is_peft_model(a)]
     if not found:
         return args, None

@@ -179,6 +179,15 @@ def lora_spec_of(peft_model) -> LoraSpec:
                 raise MegatronPluginConfigError(
                     "modules_to_save", m, f"no tensor of {family.name}'s mapping table is under it (a head tied to the "
                     "embeddings is the embeddings'): name modules the model holds weights of")
+        tied = bool(getattr(base.config, "tie_word_embeddings", False))
+        embedding = [m for m in modules_to_save if m.split(".")[-1] in ("embed_tokens", "wte", "lm_head")]
+        if tied and embedding:
+            # peft trains an untied copy of the embedding while the head keeps the original; the Megatron twin
+            # holds one tied weight, so the two would differ
+            raise MegatronPluginConfigError(
+                "modules_to_save", embedding[0], "the model ties its embeddings and output layer, and peft trains a "
+                "copy of one of them apart from the other: leave the embedding out of modules_to_save, or untie the "
+                "weights (config.tie_word_embeddings=False) before get_peft_model")
     return LoraSpec(
         r=int(config.r), alpha=float(config.lora_alpha), dropout=float(config.lora_dropout or 0.0),
         target_modules=tuple(sorted({table[t].leaf for t in found})), use_rslora=bool(config.use_rslora),
