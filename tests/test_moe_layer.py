@@ -374,11 +374,9 @@ def test_grouped_gemm_path_matches_the_loop():
     assert all(res.values()), res
 
 
-def _compiled_worker():
-    """The MoE layer on its grouped-GEMM path compiles as ONE graph (fullgraph=True: a graph break raises),
-    in bf16 through AOT autograd, forward and backward, and computes what eager computes, with the fused
-    weight gradient (`_GroupedLinear`'s op, opaque to the compiler, adding into main_grad).
-    A graph break there split each transformer layer into 14 compiled frames on the GPU (issue 26)."""
+def _grouped_bf16_layer():
+    """A Qwen3-MoE layer with HF's weights in bf16, on the grouped-GEMM path with the fused weight gradient
+    (the checks that keep that path to CUDA switched off: torch's grouped GEMM runs on CPU)."""
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_plugin.layers import moe
@@ -390,7 +388,17 @@ def _compiled_worker():
     _copy_weights(layer, _hf_block("qwen3_moe"), "qwen3_moe")
     layer = layer.bfloat16()
     cfg.gradient_accumulation_fusion = True
-    moe.Experts._can_group = lambda self, x: True  # the CUDA-only check; torch's grouped GEMM runs on CPU
+    moe.Experts._can_group = lambda self, x: True
+    moe.Experts._weights_can_group = lambda self: True
+    return layer
+
+
+def _compiled_worker():
+    """The MoE layer on its grouped-GEMM path compiles as ONE graph (fullgraph=True: a graph break raises),
+    in bf16 through AOT autograd, forward and backward, and computes what eager computes, with the fused
+    weight gradient (`_GroupedLinear`'s op, opaque to the compiler, adding into main_grad).
+    A graph break there split each transformer layer into 14 compiled frames on the GPU (issue 26)."""
+    layer = _grouped_bf16_layer()
     weights = list(layer.experts.parameters())
     torch.manual_seed(5)
     x0 = torch.randn(S, B * 4, H, dtype=torch.bfloat16)
@@ -443,19 +451,9 @@ def _stacked_worker():
     each forward into leaves made outside the compiled layer; the layer compiles as one graph over them
     (fullgraph), the per-expert weights never enter the graph (no .grad), and the stacked gradient lands in
     each expert's main_grad: equal to the eager per-expert path's, across two forwards (the stacks refilled)."""
-    from megatron.core.transformer.spec_utils import build_module
-
     from megatron_plugin.layers import moe
-    from megatron_plugin.layers.spec import moe_mlp_spec
 
-    _start()
-    cfg = _config("qwen3_moe")
-    layer = build_module(moe_mlp_spec(cfg), config=cfg, layer_number=1)
-    _copy_weights(layer, _hf_block("qwen3_moe"), "qwen3_moe")
-    layer = layer.bfloat16()
-    cfg.gradient_accumulation_fusion = True
-    moe.Experts._can_group = lambda self, x: True  # the CUDA-only checks; torch's grouped GEMM runs on CPU
-    moe.Experts._weights_can_group = lambda self: True
+    layer = _grouped_bf16_layer()
     weights = list(layer.experts.parameters())
     torch.manual_seed(5)
     x0 = torch.randn(S, B * 4, H, dtype=torch.bfloat16)

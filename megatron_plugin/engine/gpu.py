@@ -36,7 +36,7 @@ from .base import MegatronEngine, average_logs
 from ..errors import MegatronPluginConfigError
 from . import device_clip
 from .grad_buffers import GradBufferReset
-from ..layers.moe import stack_experts_each_forward
+from ..layers.moe import MoELayer, stack_experts_each_forward
 from .optimizer import check_optimizer, check_optimizer_fields, use_fused_adam
 from .scheduler import build_scheduler
 
@@ -200,8 +200,6 @@ def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
     graph once while compiling it (on the call's inputs, to tune its kernels): our side-effect ops skip that run
     (`compiled_linear.in_inductor_codegen`), but a collective in the graph would run an extra time, so only
     layers without TP / expert collectives take it."""
-    from ..layers.moe import MoELayer
-
     backend = compile_kwargs.get("backend", "inductor")
     moe = [m for m in layer.modules() if isinstance(m, MoELayer)]
     if (str(getattr(backend, "value", backend)).lower() != "inductor" or compile_kwargs.get("mode") not in (None, "default")
