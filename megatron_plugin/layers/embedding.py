@@ -12,6 +12,11 @@ main_grad too, and marks the weight done (`grad_added_to_main_grad`), which tell
 
 Under sequence parallelism the lookup's sum over TP ranks is a reduce-scatter along the sequence, through
 `sp_comm` here (on CPU, mcore's own reduce-scatter reaches `sp_comm` through the `cpu_sequence_parallel` patch).
+
+`padding_idx` is HF's `nn.Embedding(..., padding_idx=pad_token_id)` (Llama-family, BERT): the lookup gives the
+pad row no gradient (a tied output layer still gives it its own). mcore's embedding has no such index, so the
+output at pad positions is detached after the TP reduction, on every path: its gradient is then zero there,
+which the lookup's backward (mcore's or ours into main_grad) turns into nothing added to the pad row.
 """
 
 from __future__ import annotations
@@ -50,6 +55,7 @@ class VocabParallelEmbedding(_McoreVocabParallelEmbedding):
 
     model_config = None
     output_layer_shares_weight = False
+    padding_idx = None  # HF's: the vocabulary row whose lookups add no gradient (module docstring)
 
     def _into_main_grad(self) -> bool:
         w = self.weight
@@ -57,8 +63,18 @@ class VocabParallelEmbedding(_McoreVocabParallelEmbedding):
                 and torch.is_grad_enabled() and w.requires_grad and hasattr(w, "main_grad"))
 
     def forward(self, input_):
-        if not self._into_main_grad():
-            return super().forward(input_)
+        out = super().forward(input_) if not self._into_main_grad() else self._lookup_into_main_grad(input_)
+        if self.padding_idx is None or not (torch.is_grad_enabled() and self.weight.requires_grad):
+            return out
+        hit = input_ == self.padding_idx
+        if self.reduce_scatter_embeddings:
+            # out is [s/tp, b, h]: this rank's equal part of the sequence (mcore's reduce-scatter split);
+            # contiguous, or torch.where lays its output out as the transposed mask (MoE's dispatch views it)
+            hit = hit.transpose(0, 1).chunk(self.tp_group.size(), dim=0)[self.tp_group.rank()].contiguous()
+        # the reductions' backwards (identity, all-gather) carry the zero to every rank's lookup of that position
+        return torch.where(hit.unsqueeze(-1), out.detach(), out)
+
+    def _lookup_into_main_grad(self, input_):
         tp = self.tp_group.size()
         ids = input_
         if tp > 1:  # as mcore: ids of other ranks' rows look up row 0, whose output is then zeroed
@@ -83,3 +99,10 @@ def use_our_word_embeddings(model, output_layer_shares_weight: bool) -> None:
     emb.__class__ = VocabParallelEmbedding
     emb.model_config = model.config
     emb.output_layer_shares_weight = output_layer_shares_weight
+
+
+def set_padding_idx(model, padding_idx) -> None:
+    """Give a model's word embedding HF's `padding_idx` (None: every row's lookups train it); only the
+    stage that holds the embedding has one."""
+    if getattr(model, "pre_process", False) and isinstance(model.embedding.word_embeddings, VocabParallelEmbedding):
+        model.embedding.word_embeddings.padding_idx = padding_idx

@@ -21,6 +21,7 @@ from .mapping import StagePlan, TensorSlice, expand
 from ..plugin import MegatronLMPlugin
 from ..layers.spec import default_backend
 from ..layers.moe import padding_mask_from_hf
+from ..layers.embedding import set_padding_idx
 from .moe_names import checkpoint_state_dict
 
 
@@ -143,7 +144,15 @@ class MegatronModel(torch.nn.Module):
         variant = get_family(hf_model.config).variant_of(hf_model)
         model = cls(hf_model.config, plugin, variant=variant, **kwargs)
         model.load_hf_state_dict(hf_state_dict_of(hf_model))
+        model.take_padding_idx(hf_model)
         return model
+
+    def take_padding_idx(self, hf_model: torch.nn.Module) -> None:
+        """The HF model's embedding `padding_idx` (Llama-family, BERT; None for GPT-2, T5), whose row the
+        lookup does not train: on the word embedding, when this chunk holds it (layers/embedding.py). Not
+        in the config (pad_token_id is not always the embedding's), so read from the module; on the meta
+        device too."""
+        set_padding_idx(self.module, getattr(hf_model.get_input_embeddings(), "padding_idx", None))
 
     @classmethod
     def chunks_from_provider(cls, hf_model: torch.nn.Module, plugin: MegatronLMPlugin, backend: Optional[str] = None) -> list:
@@ -207,6 +216,7 @@ class MegatronModel(torch.nn.Module):
                 chunk.load_hf_state_dict(state)
             else:
                 chunk.load_hf(reader.get_slice, reader.names, extra_tensors="warn")
+            chunk.take_padding_idx(hf_model)
             chunks.append(chunk)
         return chunks
 
