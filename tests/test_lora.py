@@ -18,8 +18,8 @@ GPT2_ALL = ["c_attn", "c_proj", "c_fc"]
 def _hf(family, seed=0):
     from tests.models import tiny_moe
 
-    if family == "mixtral":
-        return tiny_moe("mixtral", seed=seed)
+    if family in ("mixtral", "qwen2_moe"):
+        return tiny_moe(family, seed=seed)
     if family == "gpt2_tied":
         return tiny_gpt2("tied", seed=seed)
     return tiny_llama("llama", seed=seed) if family == "llama" else tiny_gpt2("untied", seed=seed)
@@ -60,8 +60,10 @@ def _peft_grads(pm):
 def _checkpoint_keys(model, spec):
     """(peft module name, sharded-state-dict key, 'A' or 'B') of layer 0's adapters whose whole shape the
     checkpoint must show (GPT-2's c_attn B: regrouped, same shape)."""
+    from megatron_plugin.models.lora import _layer_targets
+
     out = []
-    for target in spec.targets():
+    for target in _layer_targets(model, spec, 0):
         hf = ("transformer.h.0." if spec.family == "gpt2" else "model.layers.0.") + target.hf
         for x in "AB":
             out.append((hf, f"decoder.layers.0.{target.linear}.lora_adapters.{target.leaf}.lora_{x}", x))
@@ -139,7 +141,7 @@ def _case(family, targets, sp=False, save_dir=None, **config):
     res["checkpoint_shapes"] = all(
         shapes.get(k) == tuple(theirs[f"base_model.model.{m}.lora_{x}.weight"].shape)
         for m, k, x in _checkpoint_keys(model, spec))
-    if "q_proj" in targets and "k_proj" not in targets:  # a q-only adapter writes the query rows only
+    if {"q_proj", "k_proj", "v_proj"} & set(targets) == {"q_proj"}:  # a q-only adapter writes the query rows only
         from megatron_plugin.layers.lora import lora_delta
 
         linear = model.module.decoder.layers[0].self_attention.linear_qkv
@@ -178,12 +180,15 @@ def _worker(cases, save_root=None):
 
 CASES = {
     1: [("llama_all", "llama", LLAMA_ALL, False, {}),
-        ("gpt2_all", "gpt2", GPT2_ALL, False, {})],
+        ("gpt2_all", "gpt2", GPT2_ALL, False, {}),
+        # layer 0 is MoE (the shared expert's gate/up/down), layer 1 dense (mlp_only_layers: the dense MLP's)
+        ("qwen2_moe_mlp", "qwen2_moe", ["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"], False, {})],
     2: [("llama_all", "llama", LLAMA_ALL, False, {}),
         ("llama_q_sp", "llama", ["q_proj"], True, {}),
         ("llama_all_sp_rslora", "llama", LLAMA_ALL, True, dict(use_rslora=True)),
         ("gpt2_all_head", "gpt2", GPT2_ALL, False, dict(modules_to_save=["lm_head"])),
-        ("mixtral_attention", "mixtral", ["q_proj", "k_proj", "v_proj", "o_proj"], False, {})],
+        ("mixtral_attention", "mixtral", ["q_proj", "k_proj", "v_proj", "o_proj"], False, {}),
+        ("qwen2_moe_up_down", "qwen2_moe", ["o_proj", "up_proj", "down_proj"], False, {})],
 }
 
 
@@ -295,9 +300,16 @@ def test_lora_refuses_other_methods_and_several_adapters():
     ia3 = get_peft_model(_hf("llama"), IA3Config(target_modules=["q_proj", "down_proj"], feedforward_modules=["down_proj"]))
     with pytest.raises(MegatronPluginConfigError, match="peft_type"):
         lora_spec_of(ia3)
+    moe = get_peft_model(tiny_moe("qwen2_moe"), LoraConfig(r=2, target_modules=["q_proj", "shared_expert_gate"]))
+    with pytest.raises(MegatronPluginConfigError, match="shared_expert_gate.*router and shared-expert gate"):
+        lora_spec_of(moe)  # the shared expert's sigmoid gate (an nn.Linear peft wraps)
+    # transformers 5 stacks the routed experts (no nn.Linear): gate_proj is the shared expert's in MoE layers and
+    # the dense MLP's in layer 1 (mlp_only_layers)
     moe = get_peft_model(tiny_moe("qwen2_moe"), LoraConfig(r=2, target_modules=["q_proj", "gate_proj"]))
-    with pytest.raises(MegatronPluginConfigError, match="shared_expert.gate_proj.*experts"):
-        lora_spec_of(moe)  # the shared expert's gate_proj
+    spec = lora_spec_of(moe)
+    assert spec.layer_targets == ("mlp.gate_proj", "mlp.shared_expert.gate_proj", "self_attn.q_proj")
+    assert [t.hf for t in spec.targets("moe")] == ["mlp.shared_expert.gate_proj", "self_attn.q_proj"]
+    assert [t.hf for t in spec.targets("dense")] == ["mlp.gate_proj", "self_attn.q_proj"]
     with pytest.raises(MegatronPluginConfigError, match="model"):
         lora_spec_of(_hf("llama"))
     from megatron_plugin.models.lora import check_lora_layout

@@ -310,3 +310,43 @@ def test_lora_under_sequence_parallelism_trains_like_hf_peft():
         assert len(got) == STEPS
         for step, (a, b) in enumerate(zip(got, ref)):
             assert abs(a - b) / abs(b) < 1e-4, f"step {step}: megatron {a} vs peft {b}"
+
+
+def fused_worker(fused):
+    """Three steps of the tiny Llama at TP=1, with the adapters' up-projection inside the frozen GEMM
+    (`layers/lora.fused_column_forward`) or forced off; how often the fused path ran. The patches are undone:
+    the worker processes serve later tests."""
+    from megatron_plugin.layers import linear as linear_layers
+    from megatron_plugin.layers import lora as lora_layers
+
+    calls = []
+    run, chosen = lora_layers._FrozenLinearWithUp.apply, linear_layers.fused_column_forward
+    lora_layers._FrozenLinearWithUp.apply = lambda *a: calls.append(1) or run(*a)
+    if not fused:
+        linear_layers.fused_column_forward = lambda linear, x: None
+    try:
+        _, engine, loader = prepare("llama", 1, 4)
+        engine.train()
+        losses = [engine(**b).loss.item() for b, _ in zip(loader, range(3))]
+    finally:
+        lora_layers._FrozenLinearWithUp.apply, linear_layers.fused_column_forward = run, chosen
+    grads_free = [p.grad is None for p in engine.model.module.parameters() if not p.requires_grad]
+    return {"calls": len(calls), "losses": losses, "lora": lora_state_of(engine), "frozen": all(grads_free)}
+
+
+def lora_state_of(engine):
+    from megatron_plugin.models.lora import lora_hf_state_dict
+
+    return lora_hf_state_dict(engine.model)
+
+
+def test_fused_up_projection_equals_the_separate_one():
+    (fused,) = run_on_ranks(fused_worker, 1, True)
+    (plain,) = run_on_ranks(fused_worker, 1, False)
+    assert fused["calls"] == 3 * 2 * 2  # steps x layers x (QKV, gate/up)
+    assert plain["calls"] == 0
+    for a, b in zip(fused["losses"], plain["losses"]):
+        assert abs(a - b) <= 1e-6 * abs(b)
+    for k, v in plain["lora"].items():
+        assert rel(fused["lora"][k], v) < 1e-5, k
+    assert fused["frozen"] and plain["frozen"]

@@ -113,6 +113,13 @@ def save_model(engine, save_directory: str, max_shard_size="10GB", safe_serializ
         from .lora import save_adapter_folder
 
         return save_adapter_folder(engine, directory)
+    merge = None
+    if merge_lora:
+        from .lora import lora_merger
+
+        # on every rank, before the replica filter below: the adapters' fp32 masters (bf16 runs) may be sharded
+        # over the data-parallel ranks (distributed optimizer), which put them back together
+        merge = lora_merger(engine, masters=True)
     writer = None
     if rank == 0:
         os.makedirs(directory, exist_ok=True)
@@ -122,7 +129,7 @@ def save_model(engine, save_directory: str, max_shard_size="10GB", safe_serializ
     # different replicas, the experts are gathered over those: every replica walks then, with its peers
     first_replica = parallel_state.get_data_parallel_rank(with_context_parallel=True) == 0  # CP ranks: replicas too
     if first_replica or any(experts_laid_apart(chunk.plan) for chunk in engine.chunks):
-        for name, tensor in iter_hf_weights(engine, merge_lora=merge_lora):
+        for name, tensor in _iter_hf_weights(engine, False, merge):
             if writer is not None:
                 writer.add(name, tensor)
     if writer is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from ..errors import MegatronPluginConfigError
 from ..models.lora import is_peft_model
@@ -80,14 +81,6 @@ def check_lora_run(run: LoraRun, plugin, optimizer) -> None:
             "a PeftModel's adapters are attached to the module prepare builds from the HF model: leave "
             "custom_model_provider_function unset, or pass the model without peft",
         )
-    if plugin.recompute_granularity is not None or plugin.recompute_activations:
-        # megatron-core's recompute wraps the layers in a reentrant checkpoint whose output carries gradients only
-        # if an input does; with the embedding frozen none does, and the adapters inside would get none
-        raise MegatronPluginConfigError(
-            "recompute_granularity", plugin.recompute_granularity or "selective (recompute_activations)",
-            "activation recompute with LoRA adapters is not supported yet (the frozen embedding leaves the "
-            "recomputed layers without gradients): leave recompute off for a PeftModel",
-        )
     from ..models.lora import check_lora_layout
 
     check_lora_layout(run.spec, run.hf_model.config, plugin.tp_degree)
@@ -113,7 +106,37 @@ def lora_chunks(spec, run: LoraRun) -> list:
     for chunk in chunks:
         attach_lora(chunk, run.spec)
         load_lora(chunk, run.adapter_state)
+        if recompute_needs_input_grad(spec.plugin):
+            embedding_output_requires_grad(chunk)
     return chunks
+
+
+def _output_requires_grad(module, args, output):
+    # a frozen embedding's output is a leaf without grad; a trainable one (modules_to_save) already has it
+    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
+        output.requires_grad_(True)
+    return output
+
+
+def recompute_needs_input_grad(plugin) -> bool:
+    """Whether a run recomputes through megatron-core's reentrant checkpoint (`tensor_parallel.checkpoint`), whose
+    output requires grad only if an input does: full recompute (whole layers) and selective recompute (core
+    attention by default, but `recompute_modules` in other_megatron_args may add the MLP, MoE or shared experts:
+    blocks with adapters inside and no input requiring grad when the embedding is frozen)."""
+    return plugin.recompute_granularity is not None
+
+
+def embedding_output_requires_grad(chunk) -> bool:
+    """HF's `enable_input_require_grads` for recompute (`recompute_needs_input_grad`): with the embedding frozen,
+    the adapters inside the first stage's checkpointed blocks would get no gradient; making the embedding's output
+    require grad fixes that (later pipeline stages receive activations that already do). Only with recompute:
+    otherwise it would add a backward through the first layer's frozen pre-adapter ops for nothing. Returns
+    whether this chunk holds the embedding (first stage)."""
+    embedding = getattr(chunk.module, "embedding", None)
+    if embedding is None:
+        return False
+    embedding.register_forward_hook(_output_requires_grad)
+    return True
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)\.lora_adapters\.([^.]+)\.(lora_[AB])$")
@@ -195,12 +218,86 @@ def adapters_disabled(chunks):
         yield
 
 
-def adapter_tensors(engine) -> Dict[str, torch.Tensor]:
-    """The adapters as peft names them (get_peft_model_state_dict), whole, on global rank 0 at least.
-    Collective: every rank walks every chunk (TP gathers, pipeline stages sent to rank 0)."""
+def adapter_tensors(engine, masters: bool = True) -> Dict[str, torch.Tensor]:
+    """The adapters as peft names them (get_peft_model_state_dict), whole, on global rank 0 at least; with
+    `masters`, the optimizer's fp32 master values where the model holds bf16/fp16 copies (`fp32_masters`).
+    Collective: every rank walks every chunk (TP gathers, pipeline stages sent to rank 0, with the distributed
+    optimizer the masters' shards summed over its data-parallel group)."""
     from ..models.lora import lora_hf_state_dict
 
-    return lora_hf_state_dict(list(engine.chunks))
+    return lora_hf_state_dict(list(engine.chunks), value_of=fp32_masters(engine) if masters else None)
+
+
+def fp32_masters(engine):
+    """`value(model_param) -> fp32 tensor` reading megatron-core's fp32 master of a bf16/fp16 parameter, or None
+    when the parameters are their own masters (the CPU engine, fp32 runs). peft keeps adapters in fp32, and a
+    bf16 copy would lose the last 16 bits of what training reached.
+
+    megatron-core 0.16.1 hangs each master on its model parameter as `main_param`: the whole fp32 copy for
+    Float16OptimizerWithFloat16Params; for the DistributedOptimizer this data-parallel rank's shard (the
+    parameter's elements `_get_model_param_range_map(p)['param']` of its flattened self, `main_param_sharded`),
+    None on ranks holding none of it, None under the precision-aware optimizer (FusedAdam holds the masters:
+    `_get_main_param_and_optimizer_states`). A sharded master is put back whole by summing the ranks' disjoint
+    parts over the optimizer's data-parallel group: collective, so every rank of that group must call `value`
+    for the same parameters in the same order (`lora_hf_state_dict` walks them so)."""
+    if getattr(engine, "dtype", None) not in (torch.bfloat16, torch.float16):
+        return None
+    distributed = _distributed_optimizers(engine)
+
+    def value(p: torch.nn.Parameter) -> torch.Tensor:
+        if p.dtype == torch.float32 or not p.requires_grad:  # no master: the parameter itself
+            return p.detach()
+        # param_index_map is keyed by parameter; `in` on the buffer's params list would compare tensors by value
+        owner = next((o for o in distributed if any(p in b.param_index_map for b in o.buffers)), None)
+        if owner is None:
+            main = getattr(p, "main_param", None)
+            return (p.detach().float() if main is None else main.detach()).view(p.shape)
+        whole = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        if p in owner.model_param_gbuf_map:  # this rank holds a part
+            part = owner._get_model_param_range_map(p)["param"]
+            main = getattr(p, "main_param", None)
+            if main is None:
+                try:
+                    main = owner._get_main_param_and_optimizer_states(p)["param"]
+                except KeyError:  # precision-aware before the first step: the masters are the model's values
+                    main = p.detach().view(-1)[part.start:part.end]
+            whole[part.start:part.end] = main.detach().view(-1).float()
+        dist.all_reduce(whole, group=owner.data_parallel_group)
+        return whole.view(p.shape)
+
+    return value
+
+
+def _distributed_optimizers(engine) -> list:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    optimizers = getattr(engine.optimizer, "chained_optimizers", [engine.optimizer])
+    return [o for o in optimizers if isinstance(o, DistributedOptimizer) and not o.is_stub_optimizer]
+
+
+@torch.no_grad()
+def load_fp32_masters(engine, run: LoraRun) -> None:
+    """Set the fp32 masters of this rank's adapters to the PeftModel's own (fp32) values. megatron-core's
+    optimizers copy their masters from the bf16/fp16 parameters, so without this a bf16 run would start from
+    adapters rounded to bf16, not peft's. Call once the engine and its optimizer exist, before `run.built()` lets
+    the peft tensors go. No collectives: each rank writes the master (or the distributed optimizer's part of it)
+    it holds. Under the precision-aware optimizer (masters inside FusedAdam, `main_param` None) nothing is set."""
+    if getattr(engine, "dtype", None) not in (torch.bfloat16, torch.float16):
+        return
+    from ..models.lora import lora_param_values
+
+    distributed = _distributed_optimizers(engine)
+    for chunk in engine.chunks:
+        for p, value in lora_param_values(chunk, run.adapter_state, run.spec):
+            main = getattr(p, "main_param", None)
+            if main is None:  # an fp32 parameter (its own master, loaded whole), or masters held by FusedAdam
+                continue
+            value = value.to(device=main.device, dtype=torch.float32).reshape(-1)
+            if getattr(p, "main_param_sharded", False):
+                owner = next(o for o in distributed if p in o.model_param_gbuf_map)
+                part = owner._get_model_param_range_map(p)["param"]
+                value = value[part.start:part.end]
+            main.copy_(value.view_as(main))
 
 
 def save_adapter_folder(engine, directory: str) -> str:
@@ -218,14 +315,16 @@ def save_adapter_folder(engine, directory: str) -> str:
     return directory
 
 
-def lora_merger(engine):
+def lora_merger(engine, masters: bool = False):
     """`merge(hf_name, base_tensor) -> merged tensor`: peft's merge_and_unload (W + scaling * B A, in the HF
     layout: GPT-2's Conv1D stores W as [in, out]) for the tensors the adapters sit on, the others as they
-    are. Collective: gathers the whole adapters onto every rank of the replica, each of which then merges
-    what it yields."""
+    are. With `masters`, the adapters' fp32 masters (`fp32_masters`; save_model's export), else the model's
+    values (bf16 under bf16 mixed precision: a weight push to a rollout engine). Collective: gathers the whole
+    adapters onto every rank of the replica, each of which then merges what it yields (with `masters` and the
+    distributed optimizer: over every data-parallel rank too)."""
     from ..models.lora_targets import FAMILY_TARGETS
 
-    tensors = adapter_tensors(engine)
+    tensors = adapter_tensors(engine, masters=masters)
     spec, family = engine.lora.spec, engine.model.family
     conv1d = tuple(t.hf for t in FAMILY_TARGETS.get(family.name, ("", {}))[1].values() if t.conv1d)
 
@@ -235,10 +334,11 @@ def lora_merger(engine):
         b = tensors.get(f"base_model.model.{stem}.lora_B.weight") if stem else None
         if a is None or b is None:
             return tensor
-        # peft's order of operations (LoraLayer.get_delta_weight, then +=), so fp32 merges agree bit for bit
-        delta = b.to(tensor.dtype) @ a.to(tensor.dtype)
+        # peft's order of operations (LoraLayer.get_delta_weight in the adapters' fp32, then W += delta: a bf16
+        # W takes the fp32 sum rounded once), so merges agree bit for bit
+        delta = b.float() @ a.float()
         if conv1d and stem.endswith(conv1d):
             delta = delta.T
-        return tensor + delta * spec.scaling
+        return (tensor.float() + delta * spec.scaling).to(tensor.dtype)
 
     return merge

@@ -119,22 +119,35 @@ def _tp_size(linear) -> int:
     return 1 if group is None else group.size()
 
 
-def _place(linear, parts: Dict[Optional[str], torch.Tensor]) -> torch.Tensor:
-    """The outputs of part adapters ([..., rows of that part on this rank]) laid into the fused rows of
-    `linear`'s local output, zeros where no adapter writes."""
-    if None in parts:
-        whole = parts.pop(None)
-        return whole if not parts else whole + _place(linear, parts)
-    names = QKV_PARTS if next(iter(parts)) in QKV_PARTS else GATE_UP_PARTS
-    sizes = linear.lora_part_sizes  # rows of each part per group (QKV) or per rank (gate/up)
-    groups = linear.lora_part_groups
-    lead = next(iter(parts.values())).shape[:-1]
-    like = next(iter(parts.values()))
-    pieces = []
+def _up_weight(linear, adapters: Sequence[LoRAAdapter], dtype) -> torch.Tensor:
+    """One [local output rows, sum of ranks] weight doing every adapter's up-projection at once: each adapter's
+    scaled B in its part's rows of `linear`'s fused output (QKV per KV group, [gate; up] per rank), zeros in
+    the others. One GEMM of h (the adapters' downs side by side) by it gives the summed delta already laid out
+    as the base output, so no delta is built per part and scattered into place: one pass over the large
+    output instead of one per part, forward and backward."""
+    def scaled(a):
+        B = a.lora_B.to(dtype) if a.lora_B.dtype != dtype else a.lora_B
+        return B if a.scaling == 1.0 else B * a.scaling
+
+    Bs = [scaled(a) for a in adapters]
+    if all(a.part is None for a in adapters):
+        return Bs[0] if len(Bs) == 1 else torch.cat(Bs, dim=1)
+    names = QKV_PARTS if any(a.part in QKV_PARTS for a in adapters) else GATE_UP_PARTS
+    sizes, groups = linear.lora_part_sizes, linear.lora_part_groups
+    rows = sum(sizes)
+    blocks, start = [], 0
     for name, n in zip(names, sizes):
-        t = parts.get(name)
-        pieces.append(like.new_zeros(*lead, groups, n) if t is None else t.reshape(*lead, groups, n))
-    return torch.cat(pieces, dim=-1).reshape(*lead, -1)
+        cols = []
+        for a, B in zip(adapters, Bs):
+            if a.part is None:  # a whole adapter: its rows of this part in every group
+                cols.append(B.view(groups, rows, a.r)[:, start:start + n])
+            elif a.part == name:
+                cols.append(B.view(groups, n, a.r))
+            else:
+                cols.append(B.new_zeros(groups, n, a.r))
+        blocks.append(torch.cat(cols, dim=-1))
+        start += n
+    return torch.cat(blocks, dim=1).reshape(groups * rows, -1)
 
 
 class _CopyTraced(torch.autograd.Function):
@@ -191,27 +204,24 @@ def _collectives(linear, traced: bool):
             lambda h: reduce_from_tensor_model_parallel_region(h.contiguous(), group=group))
 
 
-def _column_downs(x: torch.Tensor, adapters: Sequence[LoRAAdapter], over_tp) -> List[torch.Tensor]:
-    """Each adapter's h over the whole output. Adapters on one input without dropout (q, k and v; gate and
-    up) share one GEMM with their A's stacked and one collective: fewer, larger kernels for the same sums."""
+def _column_down(x: torch.Tensor, adapters: Sequence[LoRAAdapter], over_tp) -> torch.Tensor:
+    """Every adapter's h over the whole output, side by side ([..., sum of ranks]). Adapters on one input
+    without dropout (q, k and v; gate and up) share one GEMM with their A's stacked and one collective."""
     if len(adapters) > 1 and not any(a.training and isinstance(a.dropout, nn.Dropout) for a in adapters):
         A = torch.cat([a.lora_A for a in adapters], dim=0)
         h = F.linear(x, A.to(x.dtype) if A.dtype != x.dtype else A)
-        if over_tp is not None:
-            h = over_tp(h)
-        return list(h.split([a.r for a in adapters], dim=-1))
-    hs = [a.down(x) for a in adapters]
+    else:
+        hs = [a.down(x) for a in adapters]
+        h = hs[0] if len(hs) == 1 else torch.cat(hs, dim=-1)
     # every rank's B uses the whole h: its gradient is their sum
-    return hs if over_tp is None else [over_tp(h) for h in hs]
+    return h if over_tp is None else over_tp(h)
 
 
 def _column_delta(linear, x: torch.Tensor, adapters: Dict[str, LoRAAdapter], traced: bool) -> torch.Tensor:
     over_tp = _collectives(linear, traced)[0] if _tp_size(linear) > 1 else None
-    parts = {}
-    for a, h in zip(adapters.values(), _column_downs(x, list(adapters.values()), over_tp)):
-        y = a.up(h)
-        parts[a.part] = parts[a.part] + y if a.part in parts else y
-    return _place(linear, parts)
+    adapters = list(adapters.values())
+    h = _column_down(x, adapters, over_tp)
+    return F.linear(h, _up_weight(linear, adapters, h.dtype))
 
 
 def _row_delta(linear, x: torch.Tensor, adapters: Dict[str, LoRAAdapter], traced: bool) -> torch.Tensor:
@@ -236,6 +246,54 @@ def lora_delta(linear: nn.Module, x: torch.Tensor, traced: bool = False) -> Opti
         return None
     kind = next(iter(adapters.values())).parallel
     return (_column_delta if kind == "column" else _row_delta)(linear, x, adapters, traced)
+
+
+class _FrozenLinearWithUp(torch.autograd.Function):
+    """out = [x | h] [W | U]^T (+ bias): a frozen weight W and the adapters' up-projection U in one GEMM. The
+    output is written once instead of twice and read once more to add them (the largest tensors of a LoRA
+    step: the MLP's gate/up output is 8x its input), and the backward's input gradients [dx | dh] come from
+    one GEMM reading the output gradient once. Only U gets a weight gradient (W is frozen); [W | U] is built
+    again in backward rather than kept."""
+
+    @staticmethod
+    def forward(ctx, x, h, weight, up, bias):
+        ctx.save_for_backward(x, h, weight, up)
+        ctx.has_bias = bias is not None
+        return F.linear(torch.cat([x, h], dim=-1), torch.cat([weight, up], dim=1), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, h, weight, up = ctx.saved_tensors
+        if ctx.needs_input_grad[0]:
+            grad_x, grad_h = (grad @ torch.cat([weight, up], dim=1)).split([x.shape[-1], h.shape[-1]], dim=-1)
+        else:  # nothing before needs it (the first layer of a frozen base)
+            grad_x, grad_h = None, grad @ up
+        g2 = grad.reshape(-1, grad.shape[-1])
+        grad_up = g2.t() @ h.reshape(-1, h.shape[-1])
+        grad_bias = g2.sum(0) if ctx.has_bias and ctx.needs_input_grad[4] else None
+        return grad_x, grad_h, None, grad_up, grad_bias
+
+
+def fused_column_forward(linear: nn.Module, x: torch.Tensor):
+    """A column linear's (output, output bias) with its adapters' up-projection inside the base GEMM
+    (`_FrozenLinearWithUp`); None where that does not apply: adapters off, a trainable base weight, TP > 1
+    (the adapters' collectives sit between their down and up), an expert linear, autocast (the CPU engine's
+    bf16, whose casts the function would not see), and where copying [W | U] costs more than it saves: without
+    gradients (evaluation, log-probs, generation) or with fewer tokens than input features (decoding)."""
+    adapters = adapters_of(linear)
+    weight = getattr(linear, "weight", None)
+    if (not adapters or weight is None or weight.requires_grad or not torch.is_grad_enabled()
+            or x.numel() < x.shape[-1] * x.shape[-1] or _tp_size(linear) > 1
+            or getattr(linear, "explicit_expert_comm", False) or torch.is_autocast_enabled(x.device.type)
+            or next(iter(adapters.values())).parallel != "column"):
+        return None
+    adapters = list(adapters.values())
+    h = _column_down(x, adapters, None)
+    bias = linear.bias if getattr(linear, "bias", None) is not None and not linear.skip_bias_add else None
+    up = _up_weight(linear, adapters, x.dtype)
+    weight = weight if weight.dtype == x.dtype else weight.to(x.dtype)
+    out = _FrozenLinearWithUp.apply(x, h, weight, up, bias)
+    return out, (linear.bias if linear.skip_bias_add else None)
 
 
 def set_fused_layout(linear: nn.Module, part_sizes: Sequence[int], groups: int) -> None:

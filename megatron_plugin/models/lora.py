@@ -17,7 +17,7 @@ import json
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,7 +49,8 @@ class LoraSpec:
     """The LoRA a peft model asks for, as the Megatron side carries it.
 
     `target_modules`: HF module leaf names (sorted) peft put adapters on; `layer_targets`: their paths
-    inside one decoder layer ('self_attn.q_proj', 'mlp.c_proj'), which tell GPT-2's two `c_proj`s apart;
+    inside a decoder layer ('self_attn.q_proj', 'mlp.c_proj'), which tell GPT-2's two `c_proj`s apart (an MoE
+    family's: those of its dense and MoE layers together, `targets(kind)` those of one kind);
     `modules_to_save`: peft's names of the fully trained modules; `peft_config`: the LoraConfig, written
     back as adapter_config.json; `family`: the model family's name."""
 
@@ -69,10 +70,20 @@ class LoraSpec:
         """peft's: alpha / r, or alpha / sqrt(r) with rsLoRA."""
         return self.alpha / (self.r ** 0.5) if self.use_rslora else self.alpha / self.r
 
-    def targets(self) -> List[LoraTarget]:
-        """The family table's entries for `layer_targets`."""
+    def targets(self, kind: Optional[str] = None) -> List[LoraTarget]:
+        """The family table's entries for `layer_targets`; with `kind` ('dense' or 'moe', `layer_kind`), those a
+        layer of that kind holds."""
         _, table = FAMILY_TARGETS[self.family]
-        return [table[t] for t in self.layer_targets]
+        return [table[t] for t in self.layer_targets if kind is None or table[t].layers in (None, kind)]
+
+
+def layer_kind(family, hf_config, i: int) -> str:
+    """'moe' for global layer `i` of an MoE family whose MLP is an MoE block, else 'dense'."""
+    if not family.num_experts(hf_config):
+        return "dense"
+    from .moe import moe_layers
+
+    return "moe" if moe_layers(hf_config)[i] else "dense"
 
 
 def is_peft_model(model) -> bool:
@@ -154,7 +165,7 @@ def lora_spec_of(peft_model) -> LoraSpec:
             continue
         m = pattern.match(module_name)
         if m is None or m.group(2) not in table:
-            experts = " (an MoE model's experts, routed or shared, and router are not mapped yet)" \
+            experts = " (an MoE model's routed experts, router and shared-expert gate are not mapped)" \
                 if family.num_experts(base.config) else ""
             raise MegatronPluginConfigError(
                 "target_modules", module_name,
@@ -163,13 +174,16 @@ def lora_spec_of(peft_model) -> LoraSpec:
         per_layer.setdefault(int(m.group(1)), set()).add(m.group(2))
     if not per_layer:
         raise MegatronPluginConfigError("target_modules", config.target_modules, "the model has no LoRA layers")
-    layers = family.num_layers(base.config)
-    sets = {frozenset(v) for v in per_layer.values()}
-    if len(per_layer) != layers or len(sets) != 1:
-        raise MegatronPluginConfigError(
-            "layers_to_transform", sorted(per_layer),
-            "adapters on some layers (or different modules per layer) are not mapped: put the same targets on every layer")
-    found = sorted(next(iter(sets)))
+    found = sorted(set().union(*per_layer.values()))
+    for i in range(family.num_layers(base.config)):
+        # an MoE family's dense and MoE layers hold different modules (dense MLP / shared expert): each layer
+        # must have every target its kind holds
+        kind = layer_kind(family, base.config, i)
+        if per_layer.get(i, set()) != {t for t in found if table[t].layers in (None, kind)}:
+            raise MegatronPluginConfigError(
+                "layers_to_transform", sorted(per_layer),
+                "adapters on some layers (or different modules per layer) are not mapped: put the same targets on "
+                f"every layer (layer {i} has {sorted(per_layer.get(i, ()))})")
     modules_to_save = tuple(sorted(getattr(config, "modules_to_save", None) or ()))
     if modules_to_save:
         mapped = family.mapped_hf_names(base.config, family.variant_of(base))
@@ -238,6 +252,11 @@ def _layers(chunk) -> Iterator[Tuple[int, torch.nn.Module]]:
         yield chunk.plan.layer_offset + local, chunk.module.get_submodule(f"decoder.layers.{local}")
 
 
+def _layer_targets(chunk, spec: LoraSpec, i: int) -> List[LoraTarget]:
+    """The targets global layer `i` of `chunk` holds."""
+    return spec.targets(layer_kind(chunk.family, chunk.hf_config, i))
+
+
 def _tp() -> Tuple[int, int]:
     return parallel_state.get_tensor_model_parallel_world_size(), parallel_state.get_tensor_model_parallel_rank()
 
@@ -292,8 +311,8 @@ def attach_lora(model, spec: LoraSpec) -> List[LoRAAdapter]:
         for p in chunk.module.parameters():
             p.requires_grad_(False)
         sp = bool(getattr(chunk.config, "sequence_parallel", False)) and tp > 1
-        for _, layer in _layers(chunk):
-            for target in spec.targets():
+        for i, layer in _layers(chunk):
+            for target in _layer_targets(chunk, spec, i):
                 linear = layer.get_submodule(target.linear)
                 n_in, n_out = _adapter_shape(chunk, target, linear, tp)
                 adapter = LoRAAdapter(spec.r, n_in, n_out, spec.scaling, spec.dropout, parallel=target.parallel,
@@ -360,7 +379,7 @@ def _unshard_pair(chunk, target: LoraTarget, As: Sequence[torch.Tensor], Bs: Seq
 def _adapter_slots(chunk, spec: LoraSpec) -> Iterator[Tuple[str, LoraTarget, LoRAAdapter]]:
     """(peft module name, target, this rank's adapter) over this stage's layers."""
     for i, layer in _layers(chunk):
-        for target in spec.targets():
+        for target in _layer_targets(chunk, spec, i):
             linear = layer.get_submodule(target.linear)
             yield _hf_module(chunk, i, target), target, linear.lora_adapters[target.leaf]
 
@@ -371,8 +390,8 @@ def lora_param_sources(chunk, spec: Optional[LoraSpec] = None) -> Dict[str, Tupl
     `convert.mcore_to_hf_sources` maps the base weights: for carrying the user's optimizer groups over."""
     spec = spec or spec_of_model(chunk)
     out = {}
-    for i, layer in _layers(chunk):
-        for target in spec.targets():
+    for i, _ in _layers(chunk):
+        for target in _layer_targets(chunk, spec, i):
             for x in "AB":
                 mine = f"decoder.layers.{i - chunk.plan.layer_offset}.{target.linear}.lora_adapters.{target.leaf}.lora_{x}"
                 out[mine] = (f"{PEFT_PREFIX}{_hf_module(chunk, i, target)}.lora_{x}.{spec.adapter_name}.weight",)
@@ -394,22 +413,41 @@ def load_lora(model, peft_state: Dict[str, torch.Tensor], spec: Optional[LoraSpe
     GPT-2's regrouped c_attn rows), and `modules_to_save` tensors into their Megatron parameters. Raises
     naming a missing tensor. No collectives."""
     spec = spec or spec_of_model(model)
-    state = {re.sub(rf"\.{re.escape(spec.adapter_name)}\.weight$", ".weight", k): v for k, v in peft_state.items()}
+    state = _without_adapter_name(peft_state, spec)
     tp, rank = _tp()
     for chunk in _chunks(model):
-        for module, target, adapter in _adapter_slots(chunk, spec):
-            names = [f"{PEFT_PREFIX}{module}.lora_{x}.weight" for x in "AB"]
-            missing = [n for n in names if n not in state]
-            if missing:
-                raise KeyError(f"peft adapter tensors missing: {missing}")
-            A, B = _shard_pair(chunk, target, state[names[0]], state[names[1]], tp, rank)
-            for dest, src, what in ((adapter.lora_A, A, names[0]), (adapter.lora_B, B, names[1])):
-                if dest.shape != src.shape:
-                    raise MegatronPluginConfigError(
-                        "adapter", what, f"has this rank's shape {tuple(src.shape)}, the model's adapter "
-                        f"{tuple(dest.shape)}: the adapter is of another r or model size")
-                dest.copy_(src)
+        for dest, src in _adapter_values(chunk, spec, state, tp, rank):
+            dest.copy_(src)
         _load_saved_modules(chunk, spec, state, tp, rank)
+
+
+def lora_param_values(model, peft_state: Dict[str, torch.Tensor],
+                      spec: Optional[LoraSpec] = None) -> List[Tuple[torch.nn.Parameter, torch.Tensor]]:
+    """(this rank's adapter parameter, its value from peft's tensors, in their dtype) as `load_lora` places them,
+    without writing: for the engine to set fp32 masters from peft's fp32 adapters. No collectives."""
+    spec = spec or spec_of_model(model)
+    state = _without_adapter_name(peft_state, spec)
+    tp, rank = _tp()
+    return [pair for chunk in _chunks(model) for pair in _adapter_values(chunk, spec, state, tp, rank)]
+
+
+def _without_adapter_name(peft_state, spec: LoraSpec) -> Dict[str, torch.Tensor]:
+    return {re.sub(rf"\.{re.escape(spec.adapter_name)}\.weight$", ".weight", k): v for k, v in peft_state.items()}
+
+
+def _adapter_values(chunk, spec: LoraSpec, state, tp: int, rank: int):
+    for module, target, adapter in _adapter_slots(chunk, spec):
+        names = [f"{PEFT_PREFIX}{module}.lora_{x}.weight" for x in "AB"]
+        missing = [n for n in names if n not in state]
+        if missing:
+            raise KeyError(f"peft adapter tensors missing: {missing}")
+        A, B = _shard_pair(chunk, target, state[names[0]], state[names[1]], tp, rank)
+        for dest, src, what in ((adapter.lora_A, A, names[0]), (adapter.lora_B, B, names[1])):
+            if dest.shape != src.shape:
+                raise MegatronPluginConfigError(
+                    "adapter", what, f"has this rank's shape {tuple(src.shape)}, the model's adapter "
+                    f"{tuple(dest.shape)}: the adapter is of another r or model size")
+            yield dest, src
 
 
 def _load_saved_modules(chunk, spec: LoraSpec, state, tp: int, rank: int) -> None:
@@ -426,18 +464,22 @@ def _load_saved_modules(chunk, spec: LoraSpec, state, tp: int, rank: int) -> Non
 
 
 @torch.no_grad()
-def lora_hf_state_dict(model, spec: Optional[LoraSpec] = None, grads: bool = False) -> Dict[str, torch.Tensor]:
+def lora_hf_state_dict(model, spec: Optional[LoraSpec] = None, grads: bool = False,
+                       value_of: Optional[Callable[[torch.nn.Parameter], torch.Tensor]] = None,
+                       ) -> Dict[str, torch.Tensor]:
     """The adapters (and `modules_to_save` tensors) as peft's whole tensors, named as
-    `get_peft_model_state_dict` names them; with `grads`, their gradients instead. Collective: over the TP
-    group (every TP rank gets the stage's tensors) and the pipeline group (every rank gets every stage's,
-    rank 0 among them). The inverse of `load_lora`, bit for bit."""
+    `get_peft_model_state_dict` names them; with `grads`, their gradients instead; with `value_of`, what it
+    gives for each of this rank's parameters (its shape; e.g. the optimizer's fp32 master, engine/lora.py),
+    called in the same order on every rank. Collective: over the TP group (every TP rank gets the stage's
+    tensors) and the pipeline group (every rank gets every stage's, rank 0 among them). The inverse of
+    `load_lora`, bit for bit."""
     spec = spec or spec_of_model(model)
     tp, _ = _tp()
     group = parallel_state.get_tensor_model_parallel_group()
     out: Dict[str, torch.Tensor] = {}
 
     def value(p):
-        t = p.grad if grads else p
+        t = p.grad if grads else p if value_of is None else value_of(p)
         return (torch.zeros_like(p) if t is None else t).detach().contiguous()
 
     def gather(t):
