@@ -12,6 +12,18 @@ Synthetic tokens, the same global batch and micro-batches for every mode.
     python benchmarks/train_throughput.py --sizes 1.5b --num_micro 1 --modes megatron_compile --wgrad_fusion  # 46.5% MFU (H100)
     python benchmarks/train_throughput.py --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 4
     python benchmarks/train_throughput.py --sizes 124m --modes megatron --nproc 2 --global_batch 32
+    python benchmarks/train_throughput.py --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 2 --lora_r 16 \
+        --modes megatron_compile,hf_compile   # LoRA (peft) on q,k,v,o,gate,up,down against HF peft + compile
+
+With `--lora_r R` both sides train a peft `get_peft_model(model, LoraConfig(r=R, lora_alpha=2R, target_modules=
+every attention and MLP projection))`: the plugin takes the PeftModel through prepare; HF peft (its strongest
+form: the frozen base held in bf16, peft's fp32 adapters, bf16 autocast, fused AdamW over the adapters, compiled).
+With `--fp8 e4m3|hybrid --fp8_recipe delayed|tensorwise|rowwise` the plugin's modes run the transformer layers'
+linears with FP8 GEMMs (MegatronLMPlugin(fp8=..., fp8_recipe=...), layers/fp8.py; GPUs of compute capability >= 8.9;
+the hf modes ignore it); the MFU column still divides by the bf16 peak: compare tok/s.
+    python benchmarks/train_throughput.py --sizes 1.5b --num_micro 1 --modes megatron_compile --fp8 hybrid --fp8_recipe tensorwise
+`static_mem_gib` is what is allocated before the first step (weights, optimizer state); the TFLOP/s and MFU
+columns still count 6N per token, which a LoRA step does not do (no base weight gradients): compare tok/s.
 
 FLOPs per token = 6 * N + 12 * L * h * s (N: parameters without position embeddings, counting a tied
 LM head once; L layers, h hidden size, s sequence length: the attention score and value matmuls,
@@ -94,6 +106,21 @@ def flops_per_token(cfg, seq):
     return 6 * n + 12 * cfg.n_layer * cfg.n_embd * seq, n
 
 
+LORA_TARGETS = {"llama": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+                "gpt2": ["c_attn", "c_proj", "c_fc"]}
+
+
+def peft_wrap(model, cfg, r, base_dtype=None):
+    """peft's LoRA on every attention and MLP projection. `base_dtype`: the frozen base's dtype (HF peft's
+    strongest set-up keeps it in bf16; peft casts the adapters to fp32 itself)."""
+    from peft import LoraConfig, get_peft_model
+
+    if base_dtype is not None:
+        model = model.to(base_dtype)
+    return get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, lora_dropout=0.0,
+                                            target_modules=LORA_TARGETS[cfg.model_type]))
+
+
 def build_step(args):
     """Model, optimizer and data for one mode in this process; returns (step, hf_config, world size)."""
     import torch
@@ -106,8 +133,11 @@ def build_step(args):
     with torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))):
         model = auto.from_config(cfg, attn_implementation="sdpa")
     hf = args.mode.startswith("hf")
+    if args.lora_r:
+        model = peft_wrap(model, cfg, args.lora_r, base_dtype=torch.bfloat16 if hf else None)
     # the strong HF baseline steps a fused AdamW; the plugin builds its own optimizer from this one
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01, **({"fused": True} if hf else {}))
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=1e-4, weight_decay=0.01, **({"fused": True} if hf else {}))
     ids = torch.randint(0, cfg.vocab_size, (args.global_batch, args.seq))
     if cfg.model_type == "bert":
         masked = torch.rand(ids.shape) < 0.15
@@ -129,7 +159,8 @@ def build_step(args):
                                   sequence_parallelism=args.sp, use_distributed_optimizer=args.distopt,
                                   recompute_activations=args.recompute, fused_kernels=args.fused,
                                   gradient_accumulation_fusion=False if args.no_wgrad_fusion else (True if args.wgrad_fusion else None),
-                                  torch_compile=args.mode == "megatron_compile")
+                                  torch_compile=args.mode == "megatron_compile",
+                                  fp8=args.fp8 or None, fp8_recipe=args.fp8_recipe)
         dynamo = {}
         if args.compile_mode and args.mode == "megatron_compile":  # through accelerate's knob, as a user sets it
             from accelerate.utils import TorchDynamoPlugin
@@ -177,6 +208,7 @@ def measure(args):
     for _ in range(args.warmup):
         step()
     torch.cuda.synchronize()
+    static_mem = torch.cuda.memory_allocated()  # weights, gradient buffers and optimizer state
     torch.cuda.reset_peak_memory_stats()
     # events between steps (they do not synchronize): each step's span on the GPU's timeline, so a slow
     # step (a recompile, an allocator miss) shows instead of hiding in the mean
@@ -199,12 +231,17 @@ def measure(args):
         variant += "".join(f"+{f}" for f in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion") if getattr(args, f))
     if args.compile_mode and args.mode.endswith("compile"):
         variant += f" mode={args.compile_mode}"
+    if args.lora_r:
+        variant += f" lora r={args.lora_r}"
+    if args.fp8 and args.mode.startswith("megatron"):
+        variant += f" fp8={args.fp8}/{args.fp8_recipe}"
     if args.num_micro > 1:
         variant += f" ({args.num_micro} micro-batches)"
     result = {
         "size": args.size, "mode": variant, "gpus": world, "tp": args.tp, "pp": args.pp, "cp": args.cp,
         "global_batch": args.global_batch, "tok_s": round(tok_s), "tflops_per_gpu": round(flops / 1e12, 1),
         "mfu": round(flops / peak_flops(name), 3), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+        "static_mem_gib": round(static_mem / 2**30, 2),
         "params": n_params, "device": name, "step_ms": step_ms,
     }
     if int(os.environ.get("RANK", "0")) == world - 1:
@@ -216,8 +253,9 @@ def drive(args):
     for size in args.sizes.split(","):
         for mode in args.modes.split(","):
             cmd = [sys.executable, os.path.abspath(__file__), "--one", "--size", size, "--mode", mode]
-            for key in ("seq", "global_batch", "steps", "warmup", "tp", "pp", "cp", "num_micro", "compile_mode"):
+            for key in ("seq", "global_batch", "steps", "warmup", "tp", "pp", "cp", "num_micro", "compile_mode", "lora_r"):
                 cmd += [f"--{key}", str(getattr(args, key))]
+            cmd += ["--fp8", args.fp8, "--fp8_recipe", args.fp8_recipe] if args.fp8 else []
             cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion") if getattr(args, flag)]
             if args.nproc > 1:
                 cmd = ["torchrun", "--nproc-per-node", str(args.nproc)] + cmd[1:]
@@ -230,11 +268,11 @@ def drive(args):
             rows.append(row)
             print(json.dumps(row), flush=True)
     if rows:
-        print("\n| size | mode | GPUs | TPxCPxPP | global batch | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("\n| size | mode | GPUs | TPxCPxPP | global batch | tokens/s | TFLOP/s/GPU | MFU | peak mem GiB | static mem GiB |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['size']} | {r['mode']} | {r['gpus']} | {r['tp']}x{r.get('cp', 1)}x{r['pp']} | {r['global_batch']} | {r['tok_s']:,} | "
-                  f"{r['tflops_per_gpu']} | {r['mfu']:.1%} | {r['peak_mem_gib']} |")
+                  f"{r['tflops_per_gpu']} | {r['mfu']:.1%} | {r['peak_mem_gib']} | {r.get('static_mem_gib', '')} |")
         print(f"\ndevice: {rows[0]['device']}")
 
 
@@ -257,6 +295,11 @@ def parser(description=__doc__.splitlines()[0]):
     p.add_argument("--compile_mode", default="",
                    help="torch.compile mode for both compiled modes, e.g. reduce-overhead (CUDA graphs); the plugin "
                         "gets it through accelerate's TorchDynamoPlugin")
+    p.add_argument("--lora_r", type=int, default=0, help="train peft LoRA adapters of this rank (0: full fine-tuning)")
+    p.add_argument("--fp8", default="", choices=["", "e4m3", "hybrid"],
+                   help="megatron: MegatronLMPlugin(fp8=...): FP8 GEMMs in the transformer layers (SM >= 8.9)")
+    p.add_argument("--fp8_recipe", default="delayed", choices=["delayed", "tensorwise", "rowwise"],
+                   help="megatron: MegatronLMPlugin(fp8_recipe=...), with --fp8")
     p.add_argument("--sp", action="store_true")
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--recompute", action="store_true")

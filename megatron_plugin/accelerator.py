@@ -26,7 +26,7 @@ from .engine.optimizer import MegatronLMOptimizerWrapper
 from .engine.scheduler import MegatronLMDummyScheduler, MegatronLMSchedulerWrapper
 from .errors import MegatronPluginConfigError
 from .launch_config import check_launch
-from .plugin import MegatronLMPlugin
+from .plugin import FP8_HANDLERS, MegatronLMPlugin, fp8_from_accelerate
 from .resolve import Inputs, resolve
 
 _ENV_FLAG = "ACCELERATE_USE_MEGATRON_LM"
@@ -77,6 +77,12 @@ class Accelerator(accelerate.Accelerator):
                 "with Megatron, micro-batches play that role: set gradient_accumulation_steps=1 and "
                 "MegatronLMPlugin(num_micro_batches=...) instead",
             )
+        precision = kwargs.get("mixed_precision") or os.environ.get("ACCELERATE_MIXED_PRECISION")
+        if str(getattr(precision, "value", precision)).lower() == "fp8":
+            # accelerate's own FP8 needs TE / torchao / MS-AMP: ours is bf16 with FP8 GEMMs (layers/fp8.py)
+            handlers = list(kwargs.get("kwargs_handlers") or [])
+            megatron_lm_plugin, kwargs["mixed_precision"] = fp8_from_accelerate(megatron_lm_plugin, "fp8", handlers)
+            kwargs["kwargs_handlers"] = [h for h in handlers if type(h).__name__ not in FP8_HANDLERS]
         megatron_lm_plugin.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
         check_launch()
         if not torch.cuda.is_available():

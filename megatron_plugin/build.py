@@ -15,11 +15,13 @@ from .engine.checkpointing.collective import agree
 from .engine.cpu import CPUEngine
 from .engine.distributed import start
 from .engine.gpu import MegatronCoreEngine
-from .engine.lora import LoraRun, lora_chunks, lora_optimizer
+from .engine.lora import (LoraRun, embedding_output_requires_grad, load_fp32_masters, lora_chunks, lora_optimizer,
+                          recompute_needs_input_grad)
 from .engine.optimizer import SUPPORTED, rebuild_optimizer, trainable_flags
 from .engine.scheduler import build_scheduler
 from .engine.tensorboard import TensorBoardLogger
 from .errors import MegatronPluginConfigError
+from .layers.fp8 import attach_fp8
 from .layout import Layout
 from .models.convert import mcore_to_hf_sources
 from .models.fields import sequence_lengths
@@ -93,6 +95,8 @@ def build_engine(spec: RunSpec, inputs: Inputs, chunks: List[MegatronModel], lay
     if spec.device_type == "cuda":
         engine = MegatronCoreEngine(chunks, inputs.optimizer, inputs.scheduler, spec.plugin, step, layout.device,
                                     spec.dtype, compile_kwargs=spec.compile_kwargs)
+        if lora is not None:  # the masters were copied from bf16 adapters: start them from peft's fp32 values
+            load_fp32_masters(engine, lora)
     else:
         if model.provided:
             inner = provided_module_optimizer(inputs.optimizer, model.module, spec.plugin)
@@ -218,5 +222,12 @@ def build(spec: RunSpec, inputs: Inputs, timeout=None, lora: Optional[LoraRun] =
     minutes = max(1, math.ceil(timeout.total_seconds() / 60)) if timeout is not None else 30
     layout = start(spec.plugin, spec.num_layers, timeout_minutes=minutes)
     chunks = build_chunks(spec, inputs, lora)
+    if lora is None and recompute_needs_input_grad(spec.plugin):
+        # a frozen embedding (trainable_flags) would leave the first stage's recomputed layers without
+        # gradients; a LoRA run's chunks get the same hook in engine/lora.lora_chunks
+        for chunk in chunks:
+            embedding_output_requires_grad(chunk)
+    # before the engine: its gradient-buffer reset reads which linears fuse their weight gradient (FP8 ones don't)
+    attach_fp8([c.module for c in chunks], spec.plugin)
     iterators = indexed_iterators(spec, inputs, layout)
     return build_engine(spec, inputs, chunks, layout, lora), layout, iterators

@@ -135,7 +135,7 @@ FIELD_STATUS = {
     # parallel layout
     "tp_degree": "honoured: megatron_plugin.engine.distributed.start - tensor parallel degree",
     "pp_degree": "honoured: megatron_plugin.engine.distributed.start - pipeline parallel degree (CUDA engine)",
-    "num_micro_batches": "honoured: megatron_plugin.engine.base.MegatronEngine.micro_batches - micro-batches per "
+    "num_micro_batches": "honoured: megatron_plugin.engine.base.MegatronEngine._micro_count - micro-batches per "
                          "step; the DataLoader's batch is cut into them (they replace gradient_accumulation_steps)",
     "sequence_parallelism": "honoured: megatron_plugin.models.gpt.build_transformer_config - sequence parallelism "
                             "(tp_degree > 1; on CPU too, through layers/sp_comm.py); the sequence length must be a "
@@ -270,6 +270,12 @@ def migration_table() -> str:
     return "\n".join(rows) + "\n"
 
 
+# layers/fp8.py's formats and recipes (Megatron's names); its other recipes need Transformer Engine's kernels
+FP8_FORMATS = ("e4m3", "hybrid")
+FP8_RECIPES = ("delayed", "tensorwise", "rowwise")
+FP8_TE_ONLY_RECIPES = ("mxfp8", "blockwise", "custom")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+FP8_MIN_CAPABILITY = (8, 9)
 RECOMPUTE_GRANULARITIES = ("selective", "full")
 RECOMPUTE_METHODS = ("uniform", "block")
 DECAY_STYLES = ("constant", "linear", "cosine")
@@ -375,6 +381,37 @@ class MegatronLMPlugin:
         metadata={"help": "on CUDA, compile each transformer layer with torch.compile (Inductor); accelerate's "
                           "dynamo_backend / TorchDynamoPlugin does the same with its backend and mode"},
     )
+    # FP8 training without Transformer Engine (layers/fp8.py): Megatron-LM's names and meanings (megatron-core's
+    # TransformerConfig) and defaults, except the first and last layers kept in bf16 unless asked
+    fp8: Optional[str] = field(
+        default=None,
+        metadata={"help": "train the transformer layers' linears with FP8 GEMMs (torch._scaled_mm; CUDA GPUs of "
+                          "compute capability >= 8.9, with mixed_precision='bf16'): 'e4m3' for every tensor, or "
+                          "'hybrid' (e4m3 forward, e5m2 gradients). The embedding and output layer stay bf16; "
+                          "None (default): bf16 GEMMs"},
+    )
+    fp8_recipe: str = field(
+        default="delayed",
+        metadata={"help": "how FP8 scales are chosen: 'delayed' (one per tensor, from the amax history of earlier "
+                          "steps, TE's DelayedScaling), 'tensorwise' (one per tensor from its amax now) or "
+                          "'rowwise' (one per row: per token and per weight row; weight gradient in bf16)"},
+    )
+    fp8_margin: int = field(default=0, metadata={"help": "scale = fp8_max / amax / 2^fp8_margin"})
+    fp8_amax_history_len: int = field(
+        default=1, metadata={"help": "'delayed': how many uses of amaxes each tensor's scale looks back over "
+                                     "(Megatron-LM's default 1; accelerate's FP8 recipe and TE's own: 1024)"})
+    fp8_amax_compute_algo: str = field(
+        default="most_recent", metadata={"help": "'delayed': the amax of the history window ('max') or the latest "
+                                                 "one ('most_recent', Megatron-LM's and accelerate's default)"})
+    fp8_wgrad: bool = field(
+        default=True, metadata={"help": "the weight-gradient GEMM in FP8 too; False: in bf16 (Megatron's "
+                                        "--no-fp8-wgrad)"})
+    first_last_layers_bf16: bool = field(
+        default=True, metadata={"help": "with fp8: keep the first num_layers_at_start_in_bf16 and the last "
+                                        "num_layers_at_end_in_bf16 transformer layers in bf16 (on by default here, "
+                                        "off in Megatron-LM: the layers most sensitive to FP8's range)"})
+    num_layers_at_start_in_bf16: int = field(default=1, metadata={"help": "see first_last_layers_bf16"})
+    num_layers_at_end_in_bf16: int = field(default=1, metadata={"help": "see first_last_layers_bf16"})
     hf_checkpoint: Optional[str] = field(
         default=None,
         metadata={"help": "a local HF model folder (safetensors, sharded or not) to read the weights from when the "
@@ -506,6 +543,7 @@ class MegatronLMPlugin:
         if self.lr_decay_style not in DECAY_STYLES:
             raise MegatronPluginConfigError("lr_decay_style", self.lr_decay_style, "use 'constant', 'linear' or 'cosine'")
         self._validate_accelerate_fields()
+        self._validate_fp8()
         if world_size is not None and world_size < 1:
             raise MegatronPluginConfigError("num_processes", world_size, "launch at least one process")
         if world_size is not None:
@@ -536,6 +574,15 @@ class MegatronLMPlugin:
                     f"expert_model_parallel_size x pp_degree = {etp} x {self.expert_model_parallel_size} x "
                     f"{self.pp_degree} = {expert_parallel} (Megatron's expert layout): launch a multiple of "
                     f"{expert_parallel} processes, or lower {setting}",
+                )
+        if num_layers is not None and self.fp8 and self.first_last_layers_bf16:
+            bf16 = self.num_layers_at_start_in_bf16 + self.num_layers_at_end_in_bf16
+            if bf16 >= num_layers:
+                raise MegatronPluginConfigError(
+                    "num_layers_at_start_in_bf16+num_layers_at_end_in_bf16",
+                    f"{self.num_layers_at_start_in_bf16}+{self.num_layers_at_end_in_bf16}",
+                    f"the model has {num_layers} layers, so none would run in FP8: keep fewer layers in bf16, "
+                    "set first_last_layers_bf16=False, or leave fp8 unset",
                 )
         if num_layers is not None:
             stages = self.pp_degree * (self.virtual_pipeline_stages(num_layers) or 1)
@@ -619,6 +666,30 @@ class MegatronLMPlugin:
                 "it builds the model chunks from custom_model_provider_function: set that too (as accelerate requires)",
             )
         self._refuse_unsupported()
+
+    def _validate_fp8(self):
+        """The fp8 settings on their own (check_fp8 checks them against the device and mixed precision)."""
+        if self.fp8 is not None and self.fp8 not in FP8_FORMATS:
+            fix = f"use one of {FP8_FORMATS} (Megatron's --fp8-format), or None for bf16"
+            if isinstance(self.fp8, str) and self.fp8.lower() in FP8_FORMATS:
+                fix = f"write it in lower case, as Megatron does: fp8={self.fp8.lower()!r}"
+            raise MegatronPluginConfigError("fp8", self.fp8, fix)
+        if self.fp8_recipe not in FP8_RECIPES:
+            fix = f"use one of {FP8_RECIPES}"
+            if self.fp8_recipe in FP8_TE_ONLY_RECIPES:
+                fix = f"{self.fp8_recipe!r} needs Transformer Engine's kernels, which this plugin does not use: {fix}"
+            raise MegatronPluginConfigError("fp8_recipe", self.fp8_recipe, fix)
+        if self.fp8_amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise MegatronPluginConfigError("fp8_amax_compute_algo", self.fp8_amax_compute_algo,
+                                            f"use one of {AMAX_COMPUTE_ALGOS}")
+        for name, low in (("fp8_margin", 0), ("fp8_amax_history_len", 1), ("num_layers_at_start_in_bf16", 0),
+                          ("num_layers_at_end_in_bf16", 0)):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+                raise MegatronPluginConfigError(name, value, f"use a whole number >= {low}")
+        for name in ("fp8_wgrad", "first_last_layers_bf16"):
+            if not isinstance(getattr(self, name), bool):
+                raise MegatronPluginConfigError(name, getattr(self, name), "use True or False")
 
     def _refuse_unsupported(self):
         """Settings of accelerate's plugin whose feature does not run here (see FIELD_STATUS)."""
@@ -730,6 +801,7 @@ _CUDA_ONLY = {
 
 
 def check_cpu_support(plugin: MegatronLMPlugin) -> None:
+    check_fp8(plugin, "cpu", None)
     for setting, (used, piece, fix) in _CUDA_ONLY.items():
         if used(plugin):
             if setting == "recompute_activations" and not plugin.recompute_activations:
@@ -738,6 +810,117 @@ def check_cpu_support(plugin: MegatronLMPlugin) -> None:
                 setting, getattr(plugin, setting),
                 f"Megatron-Core's {piece} need CUDA; for a CPU run set {fix} (the GPU engine supports it)",
             )
+
+
+def check_fp8(plugin: MegatronLMPlugin, device_type: str, mixed_precision, model: Optional[str] = None) -> None:
+    """FP8 GEMMs (layers/fp8.py) need a decoder-only model (megatron-core's GPTModel: GPT-2, the Llama and MoE
+    families), a CUDA GPU of compute capability >= 8.9 (Ada, Hopper and later) and bf16 mixed precision (bf16
+    activations and weights around them, fp32 master weights in megatron-core's optimizer). `model`: the family
+    name of a model that is not decoder-only (a family with its own builder: BERT, T5), None for one that is or
+    when not known; `mixed_precision` None: not checked (a CPU run is refused before it matters)."""
+    if not plugin.fp8:
+        return
+    if plugin.custom_model_provider_function is not None:
+        raise MegatronPluginConfigError(
+            "fp8", plugin.fp8, "FP8 runs in the linears prepare builds from the HF model (layers/fp8.py): leave "
+            "custom_model_provider_function unset with fp8, or leave fp8 unset with a provider")
+    if model is not None:
+        raise MegatronPluginConfigError(
+            "fp8", plugin.fp8, f"FP8 linears are for decoder-only models (GPT-2, Llama, Mistral, Qwen, the MoE "
+            f"families), not {model}: leave fp8 unset for this model")
+    if device_type != "cuda":
+        raise MegatronPluginConfigError(
+            "fp8", plugin.fp8, "FP8 needs a CUDA GPU with compute capability >= 8.9 (H100/L40/4090): leave fp8 "
+            "unset on CPU")
+    import torch
+
+    capability = torch.cuda.get_device_capability()
+    if tuple(capability) < FP8_MIN_CAPABILITY:
+        raise MegatronPluginConfigError(
+            "fp8", plugin.fp8,
+            f"FP8 needs a CUDA GPU with compute capability >= 8.9 (H100/L40/4090); this one "
+            f"({torch.cuda.get_device_name()}) has {capability[0]}.{capability[1]}: leave fp8 unset (bf16)")
+    if mixed_precision is not None and mixed_precision != "bf16":
+        raise MegatronPluginConfigError(
+            "mixed_precision", mixed_precision,
+            f"fp8={plugin.fp8!r} trains around bf16 activations and weights: use mixed_precision='bf16' "
+            "(Accelerator(mixed_precision='bf16') or accelerate config), or leave fp8 unset")
+
+
+# accelerate's FP8 recipe kwargs for Transformer Engine (TERecipeKwargs, and the deprecated FP8RecipeKwargs with
+# backend "TE"), read by name: they cannot be built without Transformer Engine installed, and a launch config
+# writes them as ACCELERATE_FP8_* variables, read when no kwargs object is given
+_TE_KWARGS = ("TERecipeKwargs", "FP8RecipeKwargs")
+_OTHER_FP8_KWARGS = ("AORecipeKwargs", "MSAMPRecipeKwargs")
+FP8_HANDLERS = _TE_KWARGS + _OTHER_FP8_KWARGS
+_FP8_FORMAT_NAMES = {"HYBRID": "hybrid", "E4M3": "e4m3"}
+
+
+def fp8_from_accelerate(plugin: MegatronLMPlugin, mixed_precision, handlers=()):
+    """(plugin, mixed_precision) for accelerate's `mixed_precision='fp8'`: this plugin's FP8 (layers/fp8.py) around
+    bf16, with TERecipeKwargs' fields where they mean what Megatron's do (fp8_format -> fp8, margin -> fp8_margin,
+    amax_history_len, amax_compute_algo, override_linear_precision=(False, False, True) -> fp8_wgrad=False) and
+    refused where they do not. Any other mixed precision: unchanged. The plugin is copied, never written; fp8 set
+    on the plugin itself wins over accelerate's recipe. Eval forwards run the FP8 GEMMs too (as Megatron-LM's
+    evaluation does; use_autocast_during_eval is not read)."""
+    if mixed_precision != "fp8":
+        return plugin, mixed_precision
+    handler = None
+    for h in handlers or ():
+        name = type(h).__name__
+        if name in _OTHER_FP8_KWARGS or (name == "FP8RecipeKwargs" and str(getattr(h, "backend", "TE")).upper() != "TE"):
+            raise MegatronPluginConfigError(
+                "kwargs_handlers", name,
+                "Megatron runs FP8 with its own torch._scaled_mm linears, configured like Transformer Engine's recipe: "
+                "pass TERecipeKwargs (or none), or set MegatronLMPlugin(fp8=...) and mixed_precision='bf16'")
+        if name in _TE_KWARGS:
+            handler = h
+    backend = os.environ.get("ACCELERATE_FP8_BACKEND")  # a launch config's fp8_backend (AO, MSAMP, TE)
+    if handler is None and backend is not None and backend.upper() != "TE":
+        raise MegatronPluginConfigError(
+            "fp8_backend", backend,
+            "Megatron runs FP8 with its own torch._scaled_mm linears, configured like Transformer Engine's recipe: "
+            "set fp8_backend: TE in the accelerate config, or MegatronLMPlugin(fp8=...) and mixed_precision bf16")
+
+    def read(field, env, default, parse=str):
+        value = getattr(handler, field, None) if handler is not None else None
+        if value is None:
+            raw = os.environ.get("ACCELERATE_FP8_" + env)
+            value = default if raw is None else parse(raw)
+        return value
+
+    fmt = str(read("fp8_format", "FORMAT", "HYBRID")).upper()
+    if fmt not in _FP8_FORMAT_NAMES:
+        raise MegatronPluginConfigError(
+            "TERecipeKwargs.fp8_format", fmt,
+            "training takes 'HYBRID' (e4m3 forward, e5m2 gradients) or 'E4M3'; E5M2 forward GEMMs are not Megatron's")
+    interval = int(read("interval", "INTERVAL", 1, int))
+    if interval != 1:
+        raise MegatronPluginConfigError(
+            "TERecipeKwargs.interval", interval,
+            "delayed scaling updates each tensor's scale at every use (TE ignores interval since 1.8): leave it 1")
+    if read("use_mxfp8_block_scaling", "USE_MXFP8_BLOCK_SCALING", False, lambda r: parse_bool("use_mxfp8_block_scaling", r)):
+        raise MegatronPluginConfigError(
+            "TERecipeKwargs.use_mxfp8_block_scaling", True,
+            "MXFP8 needs Transformer Engine on Blackwell GPUs: leave it False (tensor scales, Megatron's 'delayed')")
+    override = getattr(handler, "override_linear_precision", None) if handler is not None else None
+    if override is None:  # accelerate launch writes the three flags apart (accelerate/utils/launch.setup_fp8_env)
+        from accelerate.utils import parse_flag_from_env
+
+        override = tuple(parse_flag_from_env("ACCELERATE_FP8_OVERRIDE_" + k) for k in ("FPROP", "DGRAD", "WGRAD"))
+    override = tuple(bool(v) for v in override)
+    if override not in ((False, False, False), (False, False, True)):
+        raise MegatronPluginConfigError(
+            "TERecipeKwargs.override_linear_precision", override,
+            "only the weight gradient can stay in higher precision (Megatron's fp8_wgrad=False): use "
+            "(False, False, True) or (False, False, False)")
+    out = dataclasses.replace(plugin) if plugin.fp8 is not None else dataclasses.replace(
+        plugin, fp8=_FP8_FORMAT_NAMES[fmt], fp8_recipe="delayed",
+        fp8_margin=int(read("margin", "MARGIN", 0, int)),
+        fp8_amax_history_len=int(read("amax_history_len", "AMAX_HISTORY_LEN", 1024, int)),
+        fp8_amax_compute_algo=str(read("amax_compute_algo", "AMAX_COMPUTE_ALGO", "most_recent")).lower(),
+        fp8_wgrad=override != (False, False, True))
+    return out, "bf16"
 
 
 def check_mixed_precision(mixed_precision, device_type: str) -> None:

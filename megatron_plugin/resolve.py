@@ -36,8 +36,8 @@ from .errors import MegatronPluginConfigError
 from .fs import check_writable
 from .models import ModelFamily, check_model, check_moe_training
 from .models.convert import mcore_to_hf_sources
-from .plugin import (MegatronLMPlugin, check_compile, check_cpu_support, check_mixed_precision, resolve_train_step_class,
-                     uses_cuda_graphs)
+from .plugin import (MegatronLMPlugin, check_compile, check_cpu_support, check_fp8, check_mixed_precision,
+                     resolve_train_step_class, uses_cuda_graphs)
 
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -253,6 +253,7 @@ def resolve(inputs: Inputs, plugin: MegatronLMPlugin, *, world_size: int, device
     dtype = MIXED_PRECISION.get(mixed_precision)
     hf_model = inputs.model
     family = check_model(plugin, hf_model.config, world_size=world_size)  # the plugin's one validation
+    check_fp8(plugin, device_type, mixed_precision, model=None if family.build is None else family.name)
     check_moe_training(plugin, hf_model.config)
     num_layers = family.num_layers(hf_model.config)
     if family.num_experts(hf_model.config) and plugin.tp_degree > 1 and not plugin.sequence_parallelism:

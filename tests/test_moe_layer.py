@@ -3,6 +3,8 @@
 EP=2, TP=2 with sequence parallelism and TP=2 x EP=2; HF's load-balancing loss from the router
 statistics; capacity dropping."""
 
+import types
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -498,13 +500,30 @@ def _compile_kwargs_worker():
     from megatron.core.transformer.spec_utils import build_module
 
     from megatron_plugin.engine.gpu import wants_cpp_wrapper
+    from megatron_plugin.layers import fp8
     from megatron_plugin.layers.spec import moe_mlp_spec
 
     _start()
     cfg = _config("qwen3_moe")
     moe_layer = torch.nn.Sequential(build_module(moe_mlp_spec(cfg), config=cfg, layer_number=1))
-    dense = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    dense = torch.nn.Sequential(torch.nn.Linear(4, 4))  # no TransformerConfig: not a transformer layer
+
+    def layer_with(**sizes):
+        """A dense transformer layer's stand-in: a module carrying a TransformerConfig's parallel sizes."""
+        m = torch.nn.Linear(4, 4)
+        m.config = types.SimpleNamespace(**{"tensor_model_parallel_size": 1, "context_parallel_size": 1,
+                                            "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None,
+                                            **sizes})
+        return m
+
+    fp8_layer = layer_with()
+    setattr(fp8_layer, fp8.ATTR, object())  # a linear carrying FP8 state (layers/fp8.attach_fp8)
     return dict(
+        dense_layer=wants_cpp_wrapper(layer_with(), {}),
+        dense_tp2=wants_cpp_wrapper(layer_with(tensor_model_parallel_size=2), {}),
+        dense_cp2=wants_cpp_wrapper(layer_with(context_parallel_size=2), {}),
+        dense_user_mode=wants_cpp_wrapper(layer_with(), {"mode": "reduce-overhead"}),
+        dense_fp8=wants_cpp_wrapper(fp8_layer, {}),
         plain=wants_cpp_wrapper(moe_layer, {}),
         default_mode=wants_cpp_wrapper(moe_layer, {"backend": "inductor", "mode": "default"}),
         user_mode=wants_cpp_wrapper(moe_layer, {"mode": "max-autotune-no-cudagraphs"}),
@@ -514,9 +533,10 @@ def _compile_kwargs_worker():
     )
 
 
-def test_moe_layers_compile_with_the_cpp_wrapper():
-    """The CUDA engine compiles MoE layers with Inductor's C++ wrapper (the step is bound by kernel launches on
-    the host), unless the user chose a mode, options or another backend."""
+def test_layers_compile_with_the_cpp_wrapper():
+    """The CUDA engine compiles transformer layers (MoE or dense) with Inductor's C++ wrapper (the step is bound by
+    kernel launches on the host) when no collective runs inside them (TP, CP, EP 1) and no FP8 state is updated
+    in them, unless the user chose a mode, options or another backend."""
     (got,) = run_on_ranks(_compile_kwargs_worker, 1)
-    assert got == dict(plain=True, default_mode=True, user_mode=False, user_options=False, other_backend=False,
-                       dense=False), got
+    assert got == dict(dense_layer=True, dense_tp2=False, dense_cp2=False, dense_user_mode=False, dense_fp8=False,
+                       plain=True, default_mode=True, user_mode=False, user_options=False, other_backend=False, dense=False), got

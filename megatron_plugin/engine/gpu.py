@@ -36,6 +36,7 @@ from .base import MegatronEngine, average_logs
 from ..errors import MegatronPluginConfigError
 from . import device_clip
 from .grad_buffers import GradBufferReset
+from ..layers.fp8 import state_of as fp8_state_of
 from ..layers.moe import MoELayer, stack_experts_each_forward
 from .optimizer import check_optimizer, check_optimizer_fields, use_fused_adam
 from .scheduler import build_scheduler
@@ -193,21 +194,25 @@ def _direct_grad_handover(optimizer) -> None:
 
 
 def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
-    """Whether this compiled layer wants Inductor's C++ wrapper: a layer with an MoE MLP, unless the user chose
-    a mode, options or another backend. Its step is bound by the host launching kernels (about 130 per layer
-    and micro-batch), and the C++ wrapper launches them without a Python call each (Qwen3-MoE's shape on one
-    H100: 72,142 tok/s against 53,478-54,771 with the Python wrapper, BENCHMARKS.md). The wrapper runs each
-    graph once while compiling it (on the call's inputs, to tune its kernels): our side-effect ops skip that run
-    (`compiled_linear.in_inductor_codegen`), but a collective in the graph would run an extra time, so only
-    layers without TP / expert collectives take it."""
+    """Whether this compiled layer wants Inductor's C++ wrapper: any transformer layer without collectives
+    inside it (TP, CP and expert parallelism all 1), unless the user chose a mode, options or another backend.
+    A compiled layer's step is bound by the host launching its kernels, one Python call each with the default
+    wrapper; the C++ wrapper launches them without (one H100: GPT-2 124M 432,084 tok/s against 293,522;
+    Qwen3-MoE's shape 72,142 against 53,478-54,771; Llama-1B, full or LoRA, GPU-bound, unchanged: BENCHMARKS.md).
+    The wrapper runs each graph once while compiling it (on the call's inputs, to tune its kernels): our
+    side-effect ops skip that run (`compiled_linear.in_inductor_codegen`), but a collective in the graph (TP's
+    linears as ops, CP's key/value gather, expert dispatch) would run an extra time on this rank only."""
     backend = compile_kwargs.get("backend", "inductor")
-    moe = [m for m in layer.modules() if isinstance(m, MoELayer)]
     if (str(getattr(backend, "value", backend)).lower() != "inductor" or compile_kwargs.get("mode") not in (None, "default")
-            or compile_kwargs.get("options") or not moe):
+            or compile_kwargs.get("options")):
         return False
-    c = moe[0].config
-    return (c.tensor_model_parallel_size == 1 and c.expert_model_parallel_size == 1
-            and (c.expert_tensor_parallel_size or 1) == 1)
+    moe = [m for m in layer.modules() if isinstance(m, MoELayer)]
+    c = moe[0].config if moe else getattr(layer, "config", None)
+    if c is None or any(fp8_state_of(m) is not None for m in layer.modules()):
+        # FP8's delayed scaling updates its amax history inside the graph: the tuning run would update it twice
+        return False
+    return (c.tensor_model_parallel_size == 1 and (c.context_parallel_size or 1) == 1
+            and (c.expert_model_parallel_size or 1) == 1 and (c.expert_tensor_parallel_size or 1) == 1)
 
 
 def use_cpp_wrapper() -> None:
@@ -217,8 +222,8 @@ def use_cpp_wrapper() -> None:
     import torch._inductor.config as inductor_config
 
     if not inductor_config.cpp_wrapper:
-        logger.info("MoE layers: compiling with Inductor's C++ wrapper (torch._inductor.config.cpp_wrapper=True "
-                    "for this process)")
+        logger.info("compiled layers: Inductor's C++ wrapper (torch._inductor.config.cpp_wrapper=True for this "
+                    "process)")
         inductor_config.cpp_wrapper = True
 
 
@@ -240,14 +245,16 @@ class MegatronCoreEngine(MegatronEngine):
             use_distributed_optimizer=plugin.use_distributed_optimizer,
         )
         wrapped = []
+        layers = [layer for chunk in chunks for layer in transformer_layers(chunk.module)]
+        # process-wide (see use_cpp_wrapper), so only when every layer of the run takes it
+        if compile_kwargs is not None and layers and all(wants_cpp_wrapper(layer, compile_kwargs) for layer in layers):
+            use_cpp_wrapper()
         for i, chunk in enumerate(chunks):
             module = chunk.module
             if compile_kwargs is not None:
                 # Per layer (accelerate's "regional compilation"): the layers share one graph, and
                 # pipeline stages, virtual stages and recompute wrap layers, not whole models.
                 for layer in transformer_layers(module):
-                    if wants_cpp_wrapper(layer, compile_kwargs):
-                        use_cpp_wrapper()
                     layer.compile(**compile_kwargs)
             if dtype is not None:
                 module = Float16Module(config, module)

@@ -178,7 +178,8 @@ class _ParallelLinear(torch.autograd.Function):
         if group or not fuse_wgrad:
             grad_input, grad_weight, grad_bias = _linear_backward_op(grad_output, input, weight, *ctx.args, need_wgrad)
         else:
-            grad_input = grad_output @ weight
+            # no input gradient where nothing before needs one (a frozen base's first layer under LoRA)
+            grad_input = grad_output @ weight if ctx.needs_input_grad[0] else None
             grad_weight = _fused_wgrad_op(grad_output, input, weight) if need_wgrad else None
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if has_bias else None
         return (grad_input, grad_weight if need_wgrad else None, grad_bias if has_bias else None,

@@ -7,7 +7,8 @@ from megatron.core.tensor_parallel import ColumnParallelLinear as _McoreColumnPa
 from megatron.core.tensor_parallel import RowParallelLinear as _McoreRowParallelLinear
 
 from . import compiled_linear
-from .lora import adapters_of, lora_delta
+from .fp8 import fp8_forward, state_of as fp8_state_of
+from .lora import adapters_of, fused_column_forward, lora_delta
 from .sp_comm import gather_first_dim
 
 
@@ -19,7 +20,9 @@ def _outside_compiled_graph(fn, *args, **kwargs):
 def _as_ops(layer) -> bool:
     """Whether this linear runs as custom ops here: inside a compiled layer, when the weight gradient
     accumulates into main_grad (`gradient_accumulation_fusion`); see `compiled_linear.py`."""
-    return torch.compiler.is_compiling() and layer.config.gradient_accumulation_fusion
+    # an FP8 linear (layers/fp8.py) returns its weight gradient as .grad: it is traced, or with TP > 1 eager
+    return (torch.compiler.is_compiling() and layer.config.gradient_accumulation_fusion
+            and fp8_state_of(layer) is None)
 
 
 def _forward(layer, parent_forward, *args, **kwargs):
@@ -114,6 +117,10 @@ class ColumnParallelLinear(_McoreColumnParallelLinear):
     stays out of compiled graphs with TP > 1 (see `_forward`)."""
 
     def forward(self, input_, *args, **kwargs):
+        if fp8_state_of(self) is None and not args and not kwargs:
+            fused = fused_column_forward(self, input_)  # LoRA on a frozen weight at TP = 1: one GEMM
+            if fused is not None:
+                return fused
         return _with_lora(self, _forward(self, super().forward, input_, *args, **kwargs), input_)
 
     def sharded_state_dict(self, prefix="", sharded_offsets=(), metadata=None):
@@ -122,6 +129,8 @@ class ColumnParallelLinear(_McoreColumnParallelLinear):
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         out = _ops_linear(self, input, weight, kwargs)
+        if out is None:
+            out = fp8_forward(self, input, weight, kwargs)
         if out is not None:
             return out
         if kwargs.get("sequence_parallel") and _cpu_sequence_parallel(self, input):
@@ -163,6 +172,8 @@ class RowParallelLinear(_McoreRowParallelLinear):
 
     def _forward_impl(self, input, weight, *args, **kwargs):
         out = _ops_linear(self, input, weight, kwargs)
+        if out is None:
+            out = fp8_forward(self, input, weight, kwargs)
         if out is not None:
             return out
         if kwargs.get("tp_group") is None:

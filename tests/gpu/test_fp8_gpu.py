@@ -1,0 +1,65 @@
+"""FP8 training (layers/fp8.py) through prepare on a GPU of compute capability >= 8.9: every recipe, eager and
+compiled, tracks the bf16 run's losses, and the first and last layers stay bf16.
+
+    python -m pytest -q tests/gpu/test_fp8_gpu.py
+"""
+
+import pytest
+import torch
+
+from tests.spawn import run_on_ranks
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+    reason="needs a CUDA GPU with compute capability >= 8.9 (FP8 GEMMs)")
+
+STEPS = 20
+
+
+def _train(family, fp8, recipe, compiled):
+    from torch.utils.data import DataLoader
+
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+    from megatron_plugin.layers.fp8 import state_of
+    from tests.gpu.workers import MICRO, NUM_MICRO, dataset, gpu_model
+
+    plugin = MegatronLMPlugin(num_micro_batches=NUM_MICRO, torch_compile=compiled, fp8=fp8, fp8_recipe=recipe)
+    acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16")
+    hf = gpu_model(family)
+    loader = DataLoader(dataset(STEPS * MICRO * NUM_MICRO, family=family), batch_size=MICRO, shuffle=False,
+                        drop_last=True)
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = MegatronLMDummyScheduler(opt, total_num_steps=STEPS, warmup_num_steps=5)
+    engine, opt, sched, loader = acc.prepare(hf, opt, sched, loader)
+    fp8_linears = sorted(n for n, m in engine.chunks.named_modules() if state_of(m) is not None)
+    engine.train()
+    losses = [engine(**batch).loss.item() for batch in loader][:STEPS]
+    return {"losses": losses, "fp8_linears": fp8_linears}
+
+
+_BF16 = {}
+
+
+def _bf16(family, compiled):
+    if (family, compiled) not in _BF16:
+        (_BF16[(family, compiled)],) = run_on_ranks(_train, 1, family, None, "delayed", compiled)
+    return _BF16[(family, compiled)]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise", "rowwise"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_fp8_tracks_bf16(family, recipe, compiled):
+    ref = _bf16(family, compiled)
+    (got,) = run_on_ranks(_train, 1, family, "hybrid", recipe, compiled)
+    assert ref["fp8_linears"] == []
+    # 4 layers: the first and the last stay bf16; layers 1 and 2 run their 4 linears in FP8
+    layers = {n.split("decoder.layers.")[1].split(".")[0] for n in got["fp8_linears"]}
+    assert layers == {"1", "2"} and len(got["fp8_linears"]) == 8, got["fp8_linears"]
+    a, b = got["losses"], ref["losses"]
+    assert len(a) == len(b) == STEPS
+    assert all(x == x for x in a), a  # no NaN
+    assert a[-1] < a[0] * 0.7, a  # it trains
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) / y < 0.05, (i, x, y)
+    assert a != b  # FP8 GEMMs ran (bf16 would give the reference's losses)

@@ -1,0 +1,491 @@
+"""FP8 training without Transformer Engine (layers/fp8.py), on CPU: torch._scaled_mm runs there, so the numerics
+of every recipe are checked here against references built from the same quantized operands, TE's delayed-scaling
+formulas are replayed by hand, and compiled == eager. Training itself is refused on CPU (the GPU tests train)."""
+
+import math
+
+import pytest
+import torch
+
+from megatron_plugin import MegatronLMPlugin
+from megatron_plugin.layers.fp8 import (E4M3, E5M2, FP8Recipe, FP8State, current_scaling, delayed_scaling,
+                                        delayed_update, fp8_linear, rowwise_scaling)
+from megatron_plugin.plugin import check_fp8
+from tests.errors import check_refusal, expecter, refusal
+from tests.spawn import run_on_ranks
+
+RECIPES = ("tensorwise", "delayed", "rowwise")
+MANTISSA_BITS = {E4M3: 3, E5M2: 2}
+MIN_SUBNORMAL = {E4M3: 2.0 ** -9, E5M2: 2.0 ** -16}
+
+
+def _data(seed=0, tokens=32, k=64, n=48):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, tokens // 2, k, generator=g).bfloat16()
+    w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+    dy = (torch.randn(2, tokens // 2, n, generator=g) * 1e-3).bfloat16()
+    return x, w, dy
+
+
+def _q(x, scale, dtype):
+    """An independent quantizer for the references: x * scale, saturated, rounded to the format."""
+    m = torch.finfo(dtype).max
+    return (x.double() * scale.double()).clamp(-m, m).to(dtype)
+
+
+# -- quantization -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("magnitude", [1e-4, 1.0, 300.0])
+def test_quantize_round_trip_error_bounds(dtype, magnitude):
+    x = torch.randn(64, 80, generator=torch.Generator().manual_seed(1)) * magnitude
+    q, inv = current_scaling(x, dtype, margin=0)
+    back = q.float() * inv
+    scale = 1 / inv
+    # round to nearest: half a unit in the last place of the normal numbers, half the smallest subnormal below
+    bound = torch.maximum(x.abs() * 2.0 ** -(MANTISSA_BITS[dtype] + 1), torch.full_like(x, MIN_SUBNORMAL[dtype] / 2) / scale)
+    assert ((back - x).abs() <= bound * (1 + 1e-6)).all()
+    # the largest element lands on the format's largest value
+    assert q.float().abs().max().item() == torch.finfo(dtype).max
+    rq, rinv = rowwise_scaling(x, dtype, margin=0)
+    assert rinv.shape == (64, 1)
+    assert torch.equal(rq.float().abs().amax(dim=1), torch.full((64,), torch.finfo(dtype).max))
+    rback = rq.float() * rinv
+    rbound = torch.maximum(x.abs() * 2.0 ** -(MANTISSA_BITS[dtype] + 1), MIN_SUBNORMAL[dtype] / 2 * rinv)
+    assert ((rback - x).abs() <= rbound * (1 + 1e-6)).all()
+
+
+def test_margin_halves_the_scale_and_zero_keeps_it():
+    x = torch.tensor([[3.0, -7.0]])
+    _, inv0 = current_scaling(x, E4M3, margin=0)
+    _, inv2 = current_scaling(x, E4M3, margin=2)
+    assert inv0.item() == pytest.approx(7.0 / 448.0) and inv2.item() == pytest.approx(4 * 7.0 / 448.0)
+    _, inv = current_scaling(torch.zeros(2, 2), E4M3, margin=0)
+    assert inv.item() == 1.0
+
+
+# -- TE's delayed scaling, replayed by hand -----------------------------------------------------------------
+def _te_delayed(amaxes, length, algo, margin, dtype):
+    """TE 1.x `_default_get_amax_and_update_history` + `_default_sf_compute` over a sequence of uses: the scale
+    each use quantizes with, and the history and scale after the last."""
+    history, scale, used = [0.0] * length, 1.0, []
+    fmax = float(torch.finfo(dtype).max)
+    for a in amaxes:
+        used.append(scale)
+        history[0] = a
+        amax = max(history) if algo == "max" else history[0]
+        if length > 1:
+            history = history[1:] + history[:1]
+        history[0] = 0.0
+        if amax > 0 and math.isfinite(amax):
+            scale = fmax / amax / 2 ** margin
+    return used, history, scale
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("length,margin", [(1, 0), (3, 0), (3, 1), (5, 2)])
+def test_delayed_scaling_follows_te(algo, length, margin):
+    amaxes = [2.0, 8.0, 0.5, 0.0, 3.0, 1.0, 0.25, 6.0]
+    history = torch.zeros(length)
+    scale = torch.ones(())
+    for i, a in enumerate(amaxes):
+        x = torch.tensor([[a, -a / 2], [0.0, a / 4]])
+        _, inv, amax = delayed_scaling(x, scale, E4M3)
+        delayed_update(history, scale, amax, E4M3, margin, algo)
+        used, want_history, want_scale = _te_delayed(amaxes[: i + 1], length, algo, margin, E4M3)
+        assert inv.item() == pytest.approx(1 / used[-1], rel=1e-6), (i, inv, used)
+        assert history.tolist() == pytest.approx(want_history, rel=1e-6), (i, history, want_history)
+        assert scale.item() == pytest.approx(want_scale, rel=1e-6), (i, scale, want_scale)
+    if algo == "max" and length == 3:  # the window really is three uses long: 6 is the max of (1, 0.25, 6)
+        assert scale.item() == pytest.approx(448.0 / 6.0 / 2 ** margin)
+
+
+def test_delayed_state_rows_update_in_fp8_linear():
+    x, w, dy = _data()
+    state = FP8State(FP8Recipe(fmt="hybrid", recipe="delayed", amax_history_len=4, amax_compute_algo="max"), "cpu")
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    fp8_linear(xr, wr, state).backward(dy)
+    amax = [x.float().abs().max().item(), w.float().abs().max().item(), dy.float().abs().max().item()]
+    assert state.history[:, -1].tolist() == pytest.approx(amax)  # after the roll, this use's amax is last
+    assert state.history[:, 0].tolist() == [0.0, 0.0, 0.0]
+    fmax = [448.0, 448.0, 57344.0]
+    assert state.scale.tolist() == pytest.approx([f / a for f, a in zip(fmax, amax)], rel=1e-6)
+
+
+# -- fp8_linear against references --------------------------------------------------------------------------
+def _reference(recipe, fmt, x, w, dy):
+    """y, dx, dw in float64 from the operands quantized as the recipe says (first use: delayed scales are 1)."""
+    gdtype = E5M2 if fmt == "hybrid" else E4M3
+    x2, g2 = x.reshape(-1, x.shape[-1]).double(), dy.reshape(-1, dy.shape[-1]).double()
+    w = w.double()
+
+    # scales in fp32, as the recipes (and TE) compute them: a scale one fp32 ulp away rounds some elements to
+    # the neighbouring FP8 value
+    def tensor(t, dtype):
+        if recipe == "delayed":
+            s = torch.tensor(1.0)
+        else:
+            s = torch.finfo(dtype).max / t.abs().max().float()
+        return _q(t, s, dtype).double() * s.reciprocal().double()
+
+    def rows(t, dtype):
+        s = torch.finfo(dtype).max / t.abs().amax(dim=1, keepdim=True).float()
+        return _q(t, s, dtype).double() * s.reciprocal().double()
+
+    if recipe == "rowwise":
+        y = rows(x2, E4M3) @ rows(w, E4M3).t()
+        dx = rows(g2, gdtype) @ rows(w.t(), E4M3).t()
+        dw = g2.t() @ x2  # bf16 weight gradient (rowwise_with_gw_hp)
+    else:
+        xq, wq, gq = tensor(x2, E4M3), tensor(w, E4M3), tensor(g2, gdtype)
+        y, dx, dw = xq @ wq.t(), gq @ wq, gq.t() @ xq
+    return y, dx, dw
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_equals_quantized_reference(recipe, fmt):
+    x, w, dy = _data()
+    state = FP8State(FP8Recipe(fmt=fmt, recipe=recipe), "cpu")
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8_linear(xr, wr, state)
+    y.backward(dy)
+    ry, rdx, rdw = _reference(recipe, fmt, x, w, dy)
+    for name, got, ref in (("y", y, ry), ("dx", xr.grad, rdx), ("dw", wr.grad, rdw)):
+        assert got.dtype == torch.bfloat16, name
+        got, ref = got.reshape(ref.shape).double(), ref
+        # the one rounding left: fp32 accumulation then bf16 output (8 bits of mantissa)
+        err = (got - ref).abs()
+        assert (err <= ref.abs() * 2.0 ** -8 + ref.abs().max() * 1e-5).all(), (name, err.max())
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "hybrid"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_fp8_linear_close_to_bf16_linear(recipe, fmt):
+    x, w, dy = _data(seed=3)
+    state = FP8State(FP8Recipe(fmt=fmt, recipe=recipe), "cpu")
+    outs = []
+    for fp8 in (True, False):
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        for _ in range(2):  # delayed: the second use quantizes with scales from the first
+            xr.grad = wr.grad = None
+            y = fp8_linear(xr, wr, state) if fp8 else torch.nn.functional.linear(xr, wr)
+            y.backward(dy)
+        outs.append((y, xr.grad, wr.grad))
+    for name, got, ref in zip(("y", "dx", "dw"), *outs):
+        if recipe == "rowwise" and name == "dw":  # in bf16 by design (rowwise_with_gw_hp)
+            assert torch.equal(got, ref)
+            continue
+        rel = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        # e4m3 rounds to 3 mantissa bits (about 2-4% RMS on random data); hybrid's e5m2 gradients to 2 (about 6%)
+        e5m2 = fmt == "hybrid" and (name == "dx" or (name == "dw" and recipe != "rowwise"))
+        assert rel < (8e-2 if e5m2 else 5e-2), (name, rel)
+        assert rel > 0, (name, "FP8 gave bf16's result bit for bit: was it used?")
+
+
+def test_weight_gradient_in_bf16_when_fp8_wgrad_is_off():
+    x, w, dy = _data(seed=4)
+    grads = {}
+    for wgrad in (True, False):
+        state = FP8State(FP8Recipe(fmt="hybrid", recipe="tensorwise", wgrad=wgrad), "cpu")
+        wr = w.clone().requires_grad_()
+        fp8_linear(x, wr, state).backward(dy)
+        grads[wgrad] = wr.grad
+    g2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    assert torch.equal(grads[False], (g2.t() @ x2).bfloat16())
+    assert not torch.equal(grads[True], grads[False])
+
+
+def test_token_count_not_a_multiple_of_16_takes_the_bf16_weight_gradient():
+    x, w, dy = _data(tokens=18)
+    state = FP8State(FP8Recipe(fmt="e4m3", recipe="tensorwise"), "cpu")
+    wr = w.clone().requires_grad_()
+    fp8_linear(x, wr, state).backward(dy)
+    g2, x2 = dy.reshape(-1, dy.shape[-1]), x.reshape(-1, x.shape[-1])
+    assert torch.equal(wr.grad, (g2.t() @ x2).bfloat16())
+
+
+# -- compiled == eager --------------------------------------------------------------------------------------
+class _Two(torch.nn.Module):
+    """Two FP8 linears with a GELU between, as in an MLP."""
+
+    def __init__(self, recipe):
+        super().__init__()
+        g = torch.Generator().manual_seed(5)
+        self.w1 = torch.nn.Parameter((torch.randn(64, 32, generator=g) * 0.1).bfloat16())
+        self.w2 = torch.nn.Parameter((torch.randn(32, 64, generator=g) * 0.1).bfloat16())
+        self.s1, self.s2 = FP8State(recipe, "cpu"), FP8State(recipe, "cpu")
+
+    def forward(self, x):
+        return fp8_linear(torch.nn.functional.gelu(fp8_linear(x, self.w1, self.s1)), self.w2, self.s2)
+
+
+@pytest.mark.parametrize("interleaved", [False, True], ids=["fwd_bwd", "fwd_fwd_bwd_bwd"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_compiled_equals_eager(recipe, interleaved):
+    """Per micro-batch forward then backward, and (interleaved) two forwards before their backwards, as
+    pipeline schedules run them."""
+    torch._dynamo.reset()
+    r = FP8Recipe(fmt="hybrid", recipe=recipe, amax_history_len=3)
+    eager, compiled = _Two(r), _Two(r)
+    run = torch.compile(compiled, backend="aot_eager", fullgraph=True)
+    g = torch.Generator().manual_seed(6)
+    for step in range(3):
+        xs = [torch.randn(2, 16, 32, generator=g).bfloat16() * (step + i + 1) for i in range(2)]
+        dys = [torch.randn(2, 16, 32, generator=g).bfloat16() for _ in range(2)]
+        xe = [x.clone().requires_grad_() for x in xs]
+        xc = [x.clone().requires_grad_() for x in xs]
+        if interleaved:
+            ye, yc = [eager(x) for x in xe], [run(x) for x in xc]
+            for y, dy in zip(ye + yc, dys + dys):
+                y.backward(dy)
+        else:
+            ye, yc = [], []
+            for i in range(2):
+                ye.append(eager(xe[i]))
+                ye[-1].backward(dys[i])
+                yc.append(run(xc[i]))
+                yc[-1].backward(dys[i])
+        for i in range(2):
+            assert torch.equal(ye[i], yc[i]), step
+            assert torch.equal(xe[i].grad, xc[i].grad), step
+        for a, b in ((eager.w1, compiled.w1), (eager.w2, compiled.w2)):
+            assert torch.equal(a.grad, b.grad), step
+        if recipe == "delayed":  # the in-place history and scale updates happen in the compiled graphs too
+            for a, b in ((eager.s1, compiled.s1), (eager.s2, compiled.s2)):
+                assert torch.equal(a.history, b.history) and torch.equal(a.scale, b.scale), step
+                assert (a.scale != 1).all(), step
+
+
+# -- settings -----------------------------------------------------------------------------------------------
+def test_plugin_refusals():
+    cases = {
+        "format": (dict(fp8="e5m2"), "fp8", "'e4m3', 'hybrid'"),
+        "format_case": (dict(fp8="HYBRID"), "fp8", "fp8='hybrid'"),
+        "recipe": (dict(fp8="hybrid", fp8_recipe="current"), "fp8_recipe", "'delayed', 'tensorwise', 'rowwise'"),
+        "te_recipe": (dict(fp8="hybrid", fp8_recipe="mxfp8"), "fp8_recipe", "Transformer Engine"),
+        "algo": (dict(fp8="e4m3", fp8_amax_compute_algo="mean"), "fp8_amax_compute_algo", "most_recent"),
+        "history": (dict(fp8="e4m3", fp8_amax_history_len=0), "fp8_amax_history_len", ">= 1"),
+        "margin": (dict(fp8="e4m3", fp8_margin=-1), "fp8_margin", ">= 0"),
+        "wgrad": (dict(fp8="e4m3", fp8_wgrad="no"), "fp8_wgrad", "True or False"),
+    }
+    for name, (kwargs, setting, words) in cases.items():
+        check_refusal(refusal(MegatronLMPlugin, **kwargs), setting, words, exact=True, where=name)
+    check_refusal(refusal(MegatronLMPlugin(fp8="hybrid").validate, num_layers=2),
+                  "num_layers_at_start_in_bf16+num_layers_at_end_in_bf16", "none would run in FP8")
+    MegatronLMPlugin(fp8="hybrid", first_last_layers_bf16=False).validate(num_layers=2)
+    assert MegatronLMPlugin().fp8 is None
+
+
+def test_device_and_mixed_precision_refusals(monkeypatch):
+    plugin = MegatronLMPlugin(fp8="hybrid")
+    check_refusal(refusal(check_fp8, plugin, "cpu", "bf16"), "fp8", "compute capability >= 8.9",
+                  "leave fp8 unset on CPU", exact=True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "NVIDIA A100")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    check_refusal(refusal(check_fp8, plugin, "cuda", "bf16"), "fp8", "A100", "8.0", exact=True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    assert refusal(check_fp8, plugin, "cuda", "bf16") is None
+    for precision in ("no", "fp16"):
+        check_refusal(refusal(check_fp8, plugin, "cuda", precision), "mixed_precision", "mixed_precision='bf16'",
+                      exact=True)
+    assert refusal(check_fp8, MegatronLMPlugin(), "cpu", "no") is None
+    check_refusal(refusal(check_fp8, plugin, "cuda", "bf16", model="t5"), "fp8", "decoder-only", "not t5", exact=True)
+    provided = MegatronLMPlugin(fp8="hybrid", custom_model_provider_function=lambda **kw: None)
+    check_refusal(refusal(check_fp8, provided, "cuda", "bf16"), "fp8", "custom_model_provider_function", exact=True)
+
+
+def _prepare_on_cpu():
+    from megatron.core import parallel_state
+    from torch.utils.data import DataLoader
+
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler
+    from tests.models import tiny_gpt2
+    from tests.training import optimizer_for, token_dataset
+
+    out = {}
+    expect = expecter(out, state=lambda name: parallel_state.model_parallel_is_initialized())
+
+    def prepare():
+        model = tiny_gpt2()
+        opt = optimizer_for(model)
+        Accelerator(megatron_lm_plugin=MegatronLMPlugin(fp8="hybrid"), mixed_precision="bf16").prepare(
+            model, opt, MegatronLMDummyScheduler(opt, total_num_steps=4), DataLoader(token_dataset(8, 1000), batch_size=4))
+
+    expect("cpu", prepare)
+    return out
+
+
+def test_prepare_refuses_fp8_on_cpu_before_any_process_group():
+    (got,) = run_on_ranks(_prepare_on_cpu, 1)
+    check_refusal(got["cpu"], "fp8", "leave fp8 unset on CPU", exact=True)
+    assert got["cpu"][2] is False
+
+
+# -- in the model: which layers, and the TP + SP collectives around the FP8 GEMM ----------------------------
+def _layers_and_tp_sp(sp):
+    import os
+
+    from megatron_plugin.layers.fp8 import attach_fp8, state_of
+    from tests.models import megatron_twin, tiny_gpt2
+
+    tp = int(os.environ["WORLD_SIZE"])
+    hf = tiny_gpt2(n_layer=4)
+    plugin = MegatronLMPlugin(tp_degree=tp, sequence_parallelism=sp, fp8="e4m3", fp8_recipe="tensorwise")
+    model = megatron_twin(hf, plugin).eval()
+    for m in model.module.modules():  # as on the CUDA engine with gradient_accumulation_fusion
+        if hasattr(m, "gradient_accumulation_fusion"):
+            m.gradient_accumulation_fusion = True
+    names = attach_fp8([model.module], plugin)
+    from megatron_plugin.engine.grad_buffers import written_first_by_gemm
+
+    # the engine zeroes the main_grad of every weight that no fused GEMM writes first: the FP8 linears'
+    # gradients come through DDP's hook, which adds
+    first = written_first_by_gemm(model.module)
+    written_first = {n: p in first for n, p in model.module.named_parameters() if n.endswith("linear_fc1.weight")}
+    linears = {n: state_of(m) is not None for n, m in model.module.named_modules()
+               if n.split(".")[-1] in ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")}
+    ids = torch.randint(5, 900, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+
+    def run():
+        model.zero_grad()
+        loss = model(ids, labels=labels)
+        loss = loss.sum() / (labels != -100).sum()
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.module.named_parameters()}
+
+    fp8_loss, fp8_grads = run()
+    logits_fp8 = model(ids).detach()
+    for n, m in model.module.named_modules():
+        if state_of(m) is not None:
+            delattr(m, "fp8_state")
+    ref_loss, ref_grads = run()
+    logits_ref = model(ids).detach()
+    rel = {n: ((fp8_grads[n] - ref_grads[n]).norm() / ref_grads[n].norm()).item() for n in ref_grads}
+    return dict(names=names, linears=linears, loss=(fp8_loss, ref_loss), written_first=written_first,
+                logits_rel=((logits_fp8 - logits_ref).norm() / logits_ref.norm()).item(), grad_rel=rel)
+
+
+@pytest.mark.parametrize("world_size,sp", [(1, False), (2, False), (2, True)], ids=["tp1", "tp2", "tp2_sp"])
+def test_first_last_layers_stay_bf16_and_tp_collectives_hold(world_size, sp):
+    """TP=2: the column linears' input-gradient all-reduce; under SP their sequence gather (and its
+    reduce-scatter), all around the FP8 GEMM, as megatron-core's linear runs them."""
+    results = run_on_ranks(_layers_and_tp_sp, world_size, sp)
+    for r in results:
+        fp8_layers = {int(n.split(".")[2]) for n, on in r["linears"].items() if on}
+        assert fp8_layers == {1, 2}, r["linears"]  # 4 layers, the first and the last in bf16
+        assert all(on == (int(n.split(".")[2]) in (1, 2)) for n, on in r["linears"].items()), r["linears"]
+        assert len(r["names"]) == 8
+        assert r["written_first"] == {f"decoder.layers.{i}.mlp.linear_fc1.weight": i in (0, 3) for i in range(4)}
+        fp8_loss, ref_loss = r["loss"]
+        assert abs(fp8_loss - ref_loss) / ref_loss < 1e-2, r["loss"]
+        assert 0 < r["logits_rel"] < 5e-2, r["logits_rel"]
+        for n, rel in r["grad_rel"].items():  # e4m3's 3 mantissa bits, through up to 3 FP8 layers' gradients
+            assert rel < 0.08, (n, rel)
+        # the FP8 layers' weights get FP8 gradients; the bf16 layers' differ only through the FP8 layers after them
+        assert r["grad_rel"]["decoder.layers.1.mlp.linear_fc1.weight"] > 0
+    if world_size == 2:  # the TP ranks' losses agree: the sequence gathers and reductions ran
+        assert results[0]["loss"] == results[1]["loss"]
+
+
+# -- accelerate's mixed_precision="fp8" ---------------------------------------------------------------------
+class TERecipeKwargs:
+    """accelerate's TERecipeKwargs by its fields (the real one cannot be built without Transformer Engine)."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(dict(use_autocast_during_eval=False, margin=None, interval=None, fp8_format=None,
+                                  amax_history_len=None, amax_compute_algo=None, override_linear_precision=None,
+                                  use_mxfp8_block_scaling=None), **fields)
+
+
+class AORecipeKwargs:
+    pass
+
+
+def test_accelerate_fp8_maps_onto_the_plugin(monkeypatch):
+    from megatron_plugin.plugin import fp8_from_accelerate
+
+    for var in ("FORMAT", "MARGIN", "INTERVAL", "AMAX_HISTORY_LEN", "AMAX_COMPUTE_ALGO", "OVERRIDE_FPROP",
+                "OVERRIDE_DGRAD", "OVERRIDE_WGRAD", "USE_MXFP8_BLOCK_SCALING", "BACKEND"):
+        monkeypatch.delenv("ACCELERATE_FP8_" + var, raising=False)
+    plugin = MegatronLMPlugin()
+    assert fp8_from_accelerate(plugin, "bf16") == (plugin, "bf16")
+    out, precision = fp8_from_accelerate(plugin, "fp8")
+    assert precision == "bf16" and plugin.fp8 is None  # the user's plugin is not written
+    # TERecipeKwargs' defaults (accelerate's), as Megatron's names
+    assert (out.fp8, out.fp8_recipe, out.fp8_margin, out.fp8_amax_history_len, out.fp8_amax_compute_algo,
+            out.fp8_wgrad) == ("hybrid", "delayed", 0, 1024, "most_recent", True)
+    out, _ = fp8_from_accelerate(plugin, "fp8", [TERecipeKwargs(fp8_format="E4M3", margin=1, amax_history_len=16,
+                                                                amax_compute_algo="max",
+                                                                override_linear_precision=(False, False, True))])
+    assert (out.fp8, out.fp8_margin, out.fp8_amax_history_len, out.fp8_amax_compute_algo, out.fp8_wgrad) == (
+        "e4m3", 1, 16, "max", False)
+    monkeypatch.setenv("ACCELERATE_FP8_FORMAT", "E4M3")
+    monkeypatch.setenv("ACCELERATE_FP8_AMAX_HISTORY_LEN", "32")
+    out, _ = fp8_from_accelerate(plugin, "fp8")
+    assert (out.fp8, out.fp8_amax_history_len) == ("e4m3", 32)
+    # what `accelerate launch` writes for a config's fp8_override_linear_precision: three flags
+    monkeypatch.setenv("ACCELERATE_FP8_OVERRIDE_WGRAD", "True")
+    assert fp8_from_accelerate(plugin, "fp8")[0].fp8_wgrad is False
+    monkeypatch.setenv("ACCELERATE_FP8_OVERRIDE_FPROP", "True")
+    check_refusal(refusal(fp8_from_accelerate, plugin, "fp8"), "TERecipeKwargs.override_linear_precision",
+                  "(False, False, True)", exact=True, where="env fprop")
+    monkeypatch.delenv("ACCELERATE_FP8_OVERRIDE_FPROP")
+    monkeypatch.setenv("ACCELERATE_FP8_BACKEND", "AO")  # a launch config's fp8_backend: torchao
+    check_refusal(refusal(fp8_from_accelerate, plugin, "fp8"), "fp8_backend", "TE", exact=True, where="env backend")
+    monkeypatch.delenv("ACCELERATE_FP8_BACKEND")
+    out, _ = fp8_from_accelerate(MegatronLMPlugin(fp8="hybrid", fp8_recipe="rowwise"), "fp8")
+    assert (out.fp8, out.fp8_recipe) == ("hybrid", "rowwise")  # the plugin's own settings win
+    refused = {
+        "e5m2": ([TERecipeKwargs(fp8_format="E5M2")], "TERecipeKwargs.fp8_format", "HYBRID"),
+        "interval": ([TERecipeKwargs(interval=4)], "TERecipeKwargs.interval", "leave it 1"),
+        "mxfp8": ([TERecipeKwargs(use_mxfp8_block_scaling=True)], "TERecipeKwargs.use_mxfp8_block_scaling", "Blackwell"),
+        "fprop": ([TERecipeKwargs(override_linear_precision=(True, False, False))],
+                  "TERecipeKwargs.override_linear_precision", "(False, False, True)"),
+        "torchao": ([AORecipeKwargs()], "kwargs_handlers", "TERecipeKwargs"),
+    }
+    for name, (handlers, setting, words) in refused.items():
+        check_refusal(refusal(fp8_from_accelerate, plugin, "fp8", handlers), setting, words, exact=True, where=name)
+
+
+# -- compiled transformer layers ----------------------------------------------------------------------------
+def _compiled_layers():
+    from megatron_plugin.layers.fp8 import attach_fp8, state_of
+    from tests.models import megatron_twin, tiny_gpt2
+
+    plugin = MegatronLMPlugin(fp8="e4m3", fp8_recipe="delayed")
+    model = megatron_twin(tiny_gpt2(n_layer=4), plugin).train()
+    attach_fp8([model.module], plugin)
+    ids = torch.randint(5, 900, (2, 16), generator=torch.Generator().manual_seed(0))
+    labels = torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+
+    def run():
+        model.zero_grad()
+        loss = model(ids, labels=labels).sum()
+        loss.backward()
+        return loss.item(), {n: p.grad.clone() for n, p in model.module.named_parameters()}
+
+    eager = [run() for _ in range(2)]
+    for m in model.module.modules():
+        if state_of(m) is not None:  # the delayed scales start again, as the compiled run's
+            state_of(m).history.zero_()
+            state_of(m).scale.fill_(1.0)
+    # as the CUDA engine compiles them: each layer, with the linears as compiled_linear ops where the weight
+    # gradient is fused (`_as_ops`), which FP8 linears must not be
+    model.config.gradient_accumulation_fusion = True
+    for layer in model.module.decoder.layers:
+        layer.compile(backend="aot_eager")
+    compiled = [run() for _ in range(2)]
+    # the compiled steps really quantized: every FP8 linear's delayed scales moved off their start (1) with the
+    # amaxes they saw
+    histories = [bool((state_of(m).scale != 1.0).all()) for m in model.module.modules() if state_of(m) is not None]
+    return ([e[0] for e in eager], [c[0] for c in compiled],
+            max((eager[1][1][n] - compiled[1][1][n]).abs().max().item() for n in eager[1][1]), histories)
+
+
+def test_compiled_layers_run_the_fp8_linears():
+    """Each decoder layer compiled (aot_eager on CPU), two steps of delayed scaling: the same losses and
+    gradients as eager, bit for bit; the FP8 linears stay FP8 where bf16 linears would run as custom ops."""
+    ((eager, compiled, grad_diff, histories),) = run_on_ranks(_compiled_layers, 1)
+    assert eager == compiled and grad_diff == 0.0, (eager, compiled, grad_diff)
+    assert histories and all(histories), histories
