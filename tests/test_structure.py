@@ -19,7 +19,8 @@ LEVELS = [
     ("train_steps",),
     ("megatron_plugin.engine", "megatron_plugin.data", "megatron_plugin.generation"),
     ("megatron_plugin.resolve", "megatron_plugin.build"),
-    ("megatron_plugin.accelerator", "megatron_plugin.cli", "checkpoint_utils", "megatron_plugin"),
+    ("megatron_plugin.accelerator", "megatron_plugin.cli", "checkpoint_utils", "megatron_plugin",
+     "megatron_plugin.integrations"),
 ]
 
 

@@ -125,6 +125,7 @@ class MegatronEngine(torch.nn.Module):
         self.returned_loss = ReturnedLoss(device)
         self.expert_load = ExpertLoad.of(chunks, device)  # None without MoE layers
         self.lora = None  # engine/lora.LoraRun when prepare was given a PeftModel (set by build)
+        self._micro_batch_count = None  # set by `micro_batch_count` for the calls inside it
 
     # -- the step -------------------------------------------------------------------------------
     def forward(self, **batch):
@@ -206,11 +207,30 @@ class MegatronEngine(torch.nn.Module):
         raise NotImplementedError
 
     # -- the batch ------------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def micro_batch_count(self, n: int):
+        """Inside the block, batches are cut into `n` micro-batches (their rows split evenly) instead of the
+        plugin's num_micro_batches: e.g. the last step of an epoch with the micro-batches that are left, as HF's
+        Trainer runs it, or an evaluation batch in one piece. Both engines take the count from the list of
+        micro-batches; at most num_micro_batches, the most a step was laid out for."""
+        limit = self.plugin.num_micro_batches
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= limit:
+            raise MegatronPluginConfigError(
+                "micro_batch_count", n, f"give a whole number of micro-batches from 1 to num_micro_batches={limit}")
+        previous, self._micro_batch_count = self._micro_batch_count, n
+        try:
+            yield
+        finally:
+            self._micro_batch_count = previous
+
+    def _micro_count(self) -> int:
+        return self._micro_batch_count or self.plugin.num_micro_batches
+
     def micro_batches(self, batch, step) -> List[Dict[str, torch.Tensor]]:
         """The batch's tensors on the device, checked for shape and cut into the plugin's micro-batches,
         each this context-parallel rank's part of the sequence: the one place where micro-batches are formed."""
         tensors = self._batch_tensors(batch, step)
-        n = self.plugin.num_micro_batches
+        n = self._micro_count()
         batch = {k: v.to(self.device) for k, v in tensors.items()}
         cp_size = parallel_state.get_context_parallel_world_size()
         cp_rank = parallel_state.get_context_parallel_rank()
@@ -247,7 +267,7 @@ class MegatronEngine(torch.nn.Module):
                 key, f"{ids.dtype} tensor of shape {tuple(ids.shape)}",
                 "pass integer token ids shaped [batch, sequence] with at least one row and one token",
             )
-        n = self.plugin.num_micro_batches
+        n = self._micro_count()
         size = ids.shape[0]
         if size % n:
             raise MegatronPluginConfigError(
