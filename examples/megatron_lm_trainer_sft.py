@@ -1,9 +1,10 @@
-"""Fine-tuning a causal LM with transformers' Trainer on Megatron-Core parallelism.
+"""Causal-LM training (SFT-style: labels are the text's next tokens) with transformers' Trainer on Megatron-Core.
 
 An ordinary Trainer script: TrainingArguments, a dataset, `trainer.train()`, `trainer.evaluate()`,
 `trainer.save_model()`. The one Megatron line is the import, `from megatron_plugin.integrations import Trainer`;
-the parallelism comes from the accelerate config. It trains a tiny Llama on the local text file with a byte-level
-BPE tokenizer built from it, so it needs no network:
+the parallelism comes from the accelerate config. It trains a tiny Llama from scratch on the local text file with
+a byte-level BPE tokenizer built from it, so it needs no network (for prompt/completion data with a
+completion-only loss, `megatron_plugin.integrations.SFTTrainer` takes TRL's arguments):
 
     accelerate launch --config_file examples/configs/cpu_tp2.yaml examples/megatron_lm_trainer_sft.py \
         --output_dir outputs/trainer_sft

@@ -15,9 +15,9 @@ from .engine.checkpointing.collective import agree
 from .engine.cpu import CPUEngine
 from .engine.distributed import start
 from .engine.gpu import MegatronCoreEngine
-from .engine.lora import (LoraRun, embedding_output_requires_grad, load_fp32_masters, lora_chunks, lora_optimizer,
-                          recompute_needs_input_grad)
+from .engine.lora import LoraRun, load_fp32_masters, lora_chunks, lora_optimizer
 from .engine.optimizer import SUPPORTED, rebuild_optimizer, trainable_flags
+from .engine.recompute import hook_embeddings_for_recompute
 from .engine.scheduler import build_scheduler
 from .engine.tensorboard import TensorBoardLogger
 from .errors import MegatronPluginConfigError
@@ -222,11 +222,7 @@ def build(spec: RunSpec, inputs: Inputs, timeout=None, lora: Optional[LoraRun] =
     minutes = max(1, math.ceil(timeout.total_seconds() / 60)) if timeout is not None else 30
     layout = start(spec.plugin, spec.num_layers, timeout_minutes=minutes)
     chunks = build_chunks(spec, inputs, lora)
-    if lora is None and recompute_needs_input_grad(spec.plugin):
-        # a frozen embedding (trainable_flags) would leave the first stage's recomputed layers without
-        # gradients; a LoRA run's chunks get the same hook in engine/lora.lora_chunks
-        for chunk in chunks:
-            embedding_output_requires_grad(chunk)
+    hook_embeddings_for_recompute(chunks, spec.plugin)  # a frozen embedding under recompute (engine/recompute.py)
     # before the engine: its gradient-buffer reset reads which linears fuse their weight gradient (FP8 ones don't)
     attach_fp8([c.module for c in chunks], spec.plugin)
     iterators = indexed_iterators(spec, inputs, layout)

@@ -3,8 +3,8 @@ tests/gpu/test_lora_gpu_recompute.py). megatron-core's full recompute checkpoint
 autograd function, whose output requires grad only if an input does; the frozen embedding's output does not,
 so every checkpointed layer's adapters would get no gradient. Here the layers are checkpointed with torch's
 reentrant checkpoint (the same autograd contract, without CUDA RNG states): the embedding hook
-(engine/lora.embedding_output_requires_grad) gives the adapters exactly the gradients of an unchecked run,
-and `lora_chunks` installs it whenever recompute is on (selective recompute may checkpoint the MLP too)."""
+(engine/recompute.embedding_output_requires_grad) gives the adapters exactly the gradients of an unchecked run,
+and `build` installs it whenever recompute is on (selective recompute may checkpoint the MLP too)."""
 
 import types
 
@@ -29,7 +29,7 @@ def _checkpoint_layers(model):
 
 def _hook_worker():
     from megatron_plugin import MegatronLMPlugin
-    from megatron_plugin.engine.lora import embedding_output_requires_grad
+    from megatron_plugin.engine.recompute import embedding_output_requires_grad
     from megatron_plugin.models.lora import lora_hf_state_dict
 
     pm = _peft("llama", TARGETS)
@@ -78,11 +78,12 @@ def test_embedding_hook_gives_checkpointed_layers_their_adapter_gradients():
 
 
 def _installed_worker():
-    """Whether `lora_chunks` hooked the embedding, per recompute setting (the model is only built: recompute's
+    """Whether the embedding is hooked, per recompute setting (the model is only built: recompute's
     forward needs CUDA)."""
     from megatron_plugin import MegatronLMPlugin
     from megatron_plugin.engine.distributed import initialize
-    from megatron_plugin.engine.lora import _output_requires_grad, lora_chunks, peft_inputs
+    from megatron_plugin.engine.lora import lora_chunks, peft_inputs
+    from megatron_plugin.engine.recompute import _output_requires_grad, hook_embeddings_for_recompute
 
     out = {}
     initialize(MegatronLMPlugin(), _peft("llama", TARGETS).get_base_model().config)
@@ -92,6 +93,7 @@ def _installed_worker():
         _, run = peft_inputs((pm,))
         spec = types.SimpleNamespace(plugin=MegatronLMPlugin(**kw), params_dtype=torch.float32, reader=None)
         (chunk,) = lora_chunks(spec, run)
+        hook_embeddings_for_recompute([chunk], spec.plugin)  # as build does after the chunks exist
         out[name] = [h is _output_requires_grad for h in chunk.module.embedding._forward_hooks.values()]
     return out
 

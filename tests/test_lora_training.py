@@ -331,13 +331,9 @@ def fused_worker(fused):
     finally:
         lora_layers._FrozenLinearWithUp.apply, linear_layers.fused_column_forward = run, chosen
     grads_free = [p.grad is None for p in engine.model.module.parameters() if not p.requires_grad]
-    return {"calls": len(calls), "losses": losses, "lora": lora_state_of(engine), "frozen": all(grads_free)}
-
-
-def lora_state_of(engine):
     from megatron_plugin.models.lora import lora_hf_state_dict
 
-    return lora_hf_state_dict(engine.model)
+    return {"calls": len(calls), "losses": losses, "lora": lora_hf_state_dict(engine.model), "frozen": all(grads_free)}
 
 
 def test_fused_up_projection_equals_the_separate_one():

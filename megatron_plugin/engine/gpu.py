@@ -209,7 +209,8 @@ def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
     moe = [m for m in layer.modules() if isinstance(m, MoELayer)]
     c = moe[0].config if moe else getattr(layer, "config", None)
     if c is None or any(fp8_state_of(m) is not None for m in layer.modules()):
-        # FP8's delayed scaling updates its amax history inside the graph: the tuning run would update it twice
+        # FP8 layers have not been run with the C++ wrapper yet (delayed scaling updates state inside the graph,
+        # and a run of the graph while compiling would update it twice): they keep the Python wrapper
         return False
     return (c.tensor_model_parallel_size == 1 and (c.context_parallel_size or 1) == 1
             and (c.expert_model_parallel_size or 1) == 1 and (c.expert_tensor_parallel_size or 1) == 1)

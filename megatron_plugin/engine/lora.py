@@ -106,37 +106,7 @@ def lora_chunks(spec, run: LoraRun) -> list:
     for chunk in chunks:
         attach_lora(chunk, run.spec)
         load_lora(chunk, run.adapter_state)
-        if recompute_needs_input_grad(spec.plugin):
-            embedding_output_requires_grad(chunk)
     return chunks
-
-
-def _output_requires_grad(module, args, output):
-    # a frozen embedding's output is a leaf without grad; a trainable one (modules_to_save) already has it
-    if torch.is_grad_enabled() and isinstance(output, torch.Tensor) and not output.requires_grad:
-        output.requires_grad_(True)
-    return output
-
-
-def recompute_needs_input_grad(plugin) -> bool:
-    """Whether a run recomputes through megatron-core's reentrant checkpoint (`tensor_parallel.checkpoint`), whose
-    output requires grad only if an input does: full recompute (whole layers) and selective recompute (core
-    attention by default, but `recompute_modules` in other_megatron_args may add the MLP, MoE or shared experts:
-    blocks with adapters inside and no input requiring grad when the embedding is frozen)."""
-    return plugin.recompute_granularity is not None
-
-
-def embedding_output_requires_grad(chunk) -> bool:
-    """HF's `enable_input_require_grads` for recompute (`recompute_needs_input_grad`): with the embedding frozen,
-    the adapters inside the first stage's checkpointed blocks would get no gradient; making the embedding's output
-    require grad fixes that (later pipeline stages receive activations that already do). Only with recompute:
-    otherwise it would add a backward through the first layer's frozen pre-adapter ops for nothing. Returns
-    whether this chunk holds the embedding (first stage)."""
-    embedding = getattr(chunk.module, "embedding", None)
-    if embedding is None:
-        return False
-    embedding.register_forward_hook(_output_requires_grad)
-    return True
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)\.lora_adapters\.([^.]+)\.(lora_[AB])$")

@@ -18,18 +18,17 @@ import torch.distributed as dist
 import transformers
 from torch.utils.data import DataLoader
 
-from ..accelerator import Accelerator
+from ..accelerator import _ENV_FLAG, Accelerator
 from ..engine.data import check_dataloader, prepare_megatron_dataloader
 from ..engine.scheduler import MegatronLMDummyScheduler
 from ..errors import MegatronPluginConfigError
 from ..plugin import MegatronLMPlugin
 
 # lr_scheduler_type -> Megatron's lr_decay_style; "constant" has no warmup in HF (get_constant_schedule)
-DECAY_STYLES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
+HF_DECAY_STYLES = {"linear": "linear", "cosine": "cosine", "constant": "constant", "constant_with_warmup": "constant"}
 OPTIMIZERS = ("adamw_torch", "adamw_torch_fused", "sgd")
 SAMPLING = ("random", "sequential")
 MEGATRON_FOLDER = "megatron"  # inside checkpoint-N: the run's state as accelerator.save_state writes it
-_ENV_FLAG = "ACCELERATE_USE_MEGATRON_LM"
 _logger = transformers.utils.logging.get_logger(__name__)
 
 
@@ -85,9 +84,9 @@ def check_training_arguments(args) -> None:
             "the Megatron run takes the GPUs whenever CUDA is available: hide them to train on CPU "
             "(CUDA_VISIBLE_DEVICES= accelerate launch ...), or leave use_cpu False",
         )
-    if _value(args, "lr_scheduler_type") not in DECAY_STYLES:
+    if _value(args, "lr_scheduler_type") not in HF_DECAY_STYLES:
         raise MegatronPluginConfigError("lr_scheduler_type", _value(args, "lr_scheduler_type"),
-                                        f"Megatron's schedules give HF's {sorted(DECAY_STYLES)}: use one of those")
+                                        f"Megatron's schedules give HF's {sorted(HF_DECAY_STYLES)}: use one of those")
     if _value(args, "optim") not in OPTIMIZERS:
         raise MegatronPluginConfigError("optim", _value(args, "optim"),
                                         f"Megatron runs take torch's AdamW or SGD: use one of {OPTIMIZERS}")
@@ -173,7 +172,7 @@ def megatron_plugin_for(args, plugin=None) -> MegatronLMPlugin:
     mapped = {
         # HF clips only when max_grad_norm > 0; the plugin's 0 means no clipping
         "gradient_clipping": float(args.max_grad_norm) if args.max_grad_norm and args.max_grad_norm > 0 else 0.0,
-        "lr_decay_style": DECAY_STYLES[_value(args, "lr_scheduler_type")],
+        "lr_decay_style": HF_DECAY_STYLES[_value(args, "lr_scheduler_type")],
         "min_lr": 0.0,
         # HF divides the summed token losses by the step's token count over the global batch (num_items_in_batch)
         "calculate_per_token_loss": True,
@@ -688,7 +687,7 @@ class MegatronTrainerMixin:
     @staticmethod
     def _loss_of(output):
         """The step's loss, the same on every rank: the engine gives every pipeline stage the last stage's logs
-        (`GPUEngine._share_from_last_stage`), which Trainer averages over the processes when it logs."""
+        (`MegatronCoreEngine._share_from_last_stage`), which Trainer averages over the processes when it logs."""
         return output if torch.is_tensor(output) else output.loss
 
     def training_step(self, model, inputs, num_items_in_batch=None):
@@ -718,9 +717,9 @@ class MegatronTrainerMixin:
         return (loss, output) if return_outputs else loss
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
-        """The eval loss (token mean over the batch's data-parallel ranks) and, when compute_metrics or
-        preprocess_logits_for_metrics is set, the logits gathered over TP (the whole vocabulary) for this rank's
-        rows; evaluation gathers rows over data-parallel ranks."""
+        """This rank's eval loss (the token mean of its own batch: HF's loop averages each process's loss) and,
+        when compute_metrics or preprocess_logits_for_metrics is set, the logits gathered over TP (the whole
+        vocabulary) for this rank's rows; evaluation gathers rows over data-parallel ranks."""
         engine = self._megatron_built()
         engine.eval()
         labels = None

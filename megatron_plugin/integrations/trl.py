@@ -143,12 +143,7 @@ class SFTTrainer(_TRLMetrics, MegatronTrainerMixin, trl.SFTTrainer):
                     "Megatron keeps its activations on the device: leave it False (megatron_lm_recompute_activations "
                     "trades compute for memory)",
                 )
-        if given.get("compute_loss_func") is not None:
-            raise MegatronPluginConfigError(
-                "compute_loss_func", given["compute_loss_func"],
-                "the loss is the Megatron step's (TRL's 'nll'), computed vocab-parallel without full logits: drop "
-                "compute_loss_func, or set the plugin's custom_train_step_class / custom_loss_function",
-            )
+        # compute_loss_func: refused by the mixin (the loss is the Megatron step's, TRL's 'nll')
         _refuse_vision(given.get("train_dataset"))
         collator = given.get("data_collator")
         if collator is not None and _padding_free(config) and type(collator) is not DataCollatorForLanguageModeling:

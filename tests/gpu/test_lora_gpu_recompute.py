@@ -1,6 +1,6 @@
 """LoRA with activation recompute on the GPU engine (issue 29): megatron-core's full recompute checkpoints whole
 layers through a reentrant function whose output needs an input requiring grad; with the embedding frozen the
-adapters inside got none until engine/lora.embedding_output_requires_grad. Runs with recompute must train the
+adapters inside got none until engine/recompute.embedding_output_requires_grad. Runs with recompute must train the
 adapters exactly as a run without it.
 
     python -m pytest -q tests/gpu/test_lora_gpu_recompute.py
