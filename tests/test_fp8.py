@@ -9,7 +9,7 @@ import torch
 
 from megatron_plugin import MegatronLMPlugin
 from megatron_plugin.layers.fp8 import (E4M3, E5M2, FP8Recipe, FP8State, current_scaling, delayed_scaling,
-                                        delayed_update, fp8_linear, rowwise_scaling)
+                                        delayed_update, fp8_linear, pending_scales, rowwise_scaling)
 from megatron_plugin.plugin import check_fp8
 from tests.errors import check_refusal, expecter, refusal
 from tests.spawn import run_on_ranks
@@ -66,11 +66,13 @@ def test_margin_halves_the_scale_and_zero_keeps_it():
 # -- TE's delayed scaling, replayed by hand -----------------------------------------------------------------
 def _te_delayed(amaxes, length, algo, margin, dtype):
     """TE 1.x `_default_get_amax_and_update_history` + `_default_sf_compute` over a sequence of uses: the scale
-    each use quantizes with, and the history and scale after the last."""
+    each use quantizes with, and the history and scale after the last. One change (layers/fp8.py): while no use
+    has set the scale (every amax so far 0), a use quantizes with its own amax's scale, as tensorwise does."""
     history, scale, used = [0.0] * length, 1.0, []
     fmax = float(torch.finfo(dtype).max)
-    for a in amaxes:
-        used.append(scale)
+    for i, a in enumerate(amaxes):
+        unset = not any(b > 0 for b in amaxes[:i])
+        used.append((fmax / a / 2 ** margin if a > 0 else 1.0) if unset else scale)
         history[0] = a
         amax = max(history) if algo == "max" else history[0]
         if length > 1:
@@ -83,16 +85,19 @@ def _te_delayed(amaxes, length, algo, margin, dtype):
 
 @pytest.mark.parametrize("algo", ["max", "most_recent"])
 @pytest.mark.parametrize("length,margin", [(1, 0), (3, 0), (3, 1), (5, 2)])
-def test_delayed_scaling_follows_te(algo, length, margin):
-    amaxes = [2.0, 8.0, 0.5, 0.0, 3.0, 1.0, 0.25, 6.0]
+@pytest.mark.parametrize("start", [(), (0.0, 0.0)], ids=["first_nonzero", "zeros_first"])
+def test_delayed_scaling_follows_te(algo, length, margin, start):
+    amaxes = [*start, 2.0, 8.0, 0.5, 0.0, 3.0, 1.0, 0.25, 6.0]
     history = torch.zeros(length)
-    scale = torch.ones(())
+    scale = torch.ones(1)
     for i, a in enumerate(amaxes):
         x = torch.tensor([[a, -a / 2], [0.0, a / 4]])
-        _, inv, amax = delayed_scaling(x, scale, E4M3)
-        delayed_update(history, scale, amax, E4M3, margin, algo)
+        _, inv, amax = delayed_scaling(x, pending_scales(scale, history[None])[0], E4M3, margin)
+        delayed_update(history, scale[0], amax, E4M3, margin, algo)
         used, want_history, want_scale = _te_delayed(amaxes[: i + 1], length, algo, margin, E4M3)
         assert inv.item() == pytest.approx(1 / used[-1], rel=1e-6), (i, inv, used)
+        if i == len(start):  # the first use with an amax: tensorwise's scale, not TE's 1
+            assert inv.item() == current_scaling(x, E4M3, margin)[1].item() != 1.0
         assert history.tolist() == pytest.approx(want_history, rel=1e-6), (i, history, want_history)
         assert scale.item() == pytest.approx(want_scale, rel=1e-6), (i, scale, want_scale)
     if algo == "max" and length == 3:  # the window really is three uses long: 6 is the max of (1, 0.25, 6)
@@ -111,9 +116,44 @@ def test_delayed_state_rows_update_in_fp8_linear():
     assert state.scale.tolist() == pytest.approx([f / a for f, a in zip(fmax, amax)], rel=1e-6)
 
 
+@pytest.mark.parametrize("length", [1, 4])
+def test_delayed_first_use_is_tensorwise_then_te(length):
+    """A new state (the first step, or a resumed run's: the state is not checkpointed) quantizes with each
+    tensor's own amax: gradients of ~1e-6, below e5m2's smallest subnormal at TE's start scale of 1, survive.
+    The next use quantizes with the scales the first one's amaxes gave, as TE's."""
+    x, w, dy = _data(seed=7)
+    dy = dy * 1e-3  # ~1e-6: all of it 0 in e5m2 at scale 1
+    assert not _q(dy.float(), torch.tensor(1.0), E5M2).float().any()
+    grads = {}
+    for recipe in ("delayed", "tensorwise"):
+        state = FP8State(FP8Recipe(fmt="hybrid", recipe=recipe, amax_history_len=length), "cpu")
+        xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+        y = fp8_linear(xr, wr, state)
+        y.backward(dy)
+        grads[recipe] = (y, xr.grad, wr.grad, state)
+    for name, a, b in zip(("y", "dx", "dw"), grads["delayed"][:3], grads["tensorwise"][:3]):
+        assert torch.equal(a, b), name
+    assert grads["delayed"][1].abs().min() > 0 and grads["delayed"][2].abs().min() > 0
+    state = grads["delayed"][3]
+    # the second use: TE's scales from the first use's amaxes (fp8_max / amax), not the second's own
+    amax = [x.float().abs().max(), w.float().abs().max(), dy.float().abs().max()]
+    want = torch.stack([448.0 / amax[0], 448.0 / amax[1], 57344.0 / amax[2]])
+    assert torch.equal(state.scale, want)
+    x2 = x * 2
+    xr, wr = x2.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8_linear(xr, wr, state)
+    ref = _q(x2.reshape(-1, 64).float(), want[0], E4M3).double() / want[0].double() @ (
+        _q(w.float(), want[1], E4M3).double() / want[1].double()).t()
+    # x * 2 saturates at the first use's scale (TE's behaviour): its own amax would not
+    assert not torch.equal(y, fp8_linear(x2, w, FP8State(FP8Recipe(fmt="hybrid", recipe="tensorwise"), "cpu")))
+    err = (y.reshape(ref.shape).double() - ref).abs()
+    assert (err <= ref.abs() * 2.0 ** -8 + ref.abs().max() * 1e-5).all(), err.max()
+
+
 # -- fp8_linear against references --------------------------------------------------------------------------
 def _reference(recipe, fmt, x, w, dy):
-    """y, dx, dw in float64 from the operands quantized as the recipe says (first use: delayed scales are 1)."""
+    """y, dx, dw in float64 from the operands quantized as the recipe says (a delayed state's first use scales
+    each tensor by its own amax, as tensorwise)."""
     gdtype = E5M2 if fmt == "hybrid" else E4M3
     x2, g2 = x.reshape(-1, x.shape[-1]).double(), dy.reshape(-1, dy.shape[-1]).double()
     w = w.double()
@@ -121,10 +161,7 @@ def _reference(recipe, fmt, x, w, dy):
     # scales in fp32, as the recipes (and TE) compute them: a scale one fp32 ulp away rounds some elements to
     # the neighbouring FP8 value
     def tensor(t, dtype):
-        if recipe == "delayed":
-            s = torch.tensor(1.0)
-        else:
-            s = torch.finfo(dtype).max / t.abs().max().float()
+        s = torch.finfo(dtype).max / t.abs().max().float()
         return _q(t, s, dtype).double() * s.reciprocal().double()
 
     def rows(t, dtype):
@@ -489,3 +526,82 @@ def test_compiled_layers_run_the_fp8_linears():
     ((eager, compiled, grad_diff, histories),) = run_on_ranks(_compiled_layers, 1)
     assert eager == compiled and grad_diff == 0.0, (eager, compiled, grad_diff)
     assert histories and all(histories), histories
+
+
+# -- benchmarks/fp8_parity.py: its logic on CPU (the FP8 arms need a GPU) -----------------------------------
+def _parity_module():
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+    import fp8_parity
+
+    return fp8_parity
+
+
+def _parity_arm(out):
+    """The smoke arm again, in a worker process, from the cache the driver's run left."""
+    fp8_parity = _parity_module()
+    args = fp8_parity.parser().parse_args(["--one", "--size", "tiny", "--device", "cpu", "--mode", "megatron",
+                                           "--steps", "3", "--seq", "64", "--vocab", "512", "--out", out])
+    return fp8_parity.run_arm(args)["losses"]
+
+
+def test_fp8_parity_smoke_on_cpu(tmp_path):
+    """The driver runs a bf16 arm of a tiny GPT-2 on the demo corpus; a second run of the arm (another process,
+    the cached blocks) gives the same losses bit for bit: same weights, same data, same order."""
+    import json
+    import subprocess
+    import sys
+
+    fp8_parity = _parity_module()
+    out = str(tmp_path / "parity")
+    cmd = [sys.executable, fp8_parity.__file__, "--sizes", "tiny", "--arms", "bf16", "--device", "cpu", "--mode",
+           "megatron", "--steps", "3", "--seq", "64", "--vocab", "512", "--out", out]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "| tiny | bf16 | 3 |" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    with open(tmp_path / "parity" / "tiny_bf16.json") as f:
+        got = json.load(f)
+    assert got["arm"] == "bf16" and got["vocab"] == 512 and len(got["losses"]) == 3 and got["tok_s"] > 0
+    # the corpus cut into 64-token blocks, of which 3 steps x 8 read a small part
+    assert got["blocks"] > 1000 and got["epochs"] == round(24 / got["blocks"], 2)
+    # a new model's loss is about ln(vocabulary)
+    assert abs(got["losses"][0] - math.log(512)) < 0.05, got["losses"]
+    (again,) = run_on_ranks(_parity_arm, 1, out)
+    assert again == got["losses"]
+
+
+def test_fp8_parity_data_order_cycles_epochs():
+    fp8_parity = _parity_module()
+    order = fp8_parity.sample_order(5, 13, seed=3)
+    assert len(order) == 13
+    for epoch in (order[:5], order[5:10]):  # every block once per epoch
+        assert sorted(epoch) == list(range(5))
+    assert order[:5] != order[5:10]  # each epoch its own permutation
+    assert order == fp8_parity.sample_order(5, 13, seed=3) and order != fp8_parity.sample_order(5, 13, seed=4)
+
+
+def test_fp8_parity_table():
+    fp8_parity = _parity_module()
+
+    def row(arm, tail, size="350m"):
+        # 250 early steps that the table must not read, then 50 at `tail`
+        return dict(size=size, arm=arm, steps=300, epochs=11.0, losses=[9.0] * 250 + [tail] * 50, tok_s=123456,
+                    device="NVIDIA H100", global_batch=8, seq=512)
+
+    rows = [row("fp8-hybrid-rowwise", 3.0 * 0.995), row("fp8-hybrid-delayed", 2.973), row("bf16", 3.0),
+            row("fp8-hybrid-tensorwise", 3.0 * 1.009), row("fp8-hybrid-delayed", 2.0, size="llama-1b")]
+    lines = fp8_parity.table(rows).splitlines()
+    body = [l for l in lines if l.startswith("| 350m") or l.startswith("| llama-1b")]
+    # per size, bf16 first, then the recipes in their order; a size without a bf16 arm gets no verdict
+    assert [l.split(" | ")[:2] for l in body] == [["| 350m", "bf16"], ["| 350m", "fp8-hybrid-tensorwise"],
+                                                   ["| 350m", "fp8-hybrid-delayed"], ["| 350m", "fp8-hybrid-rowwise"],
+                                                   ["| llama-1b", "fp8-hybrid-delayed"]]
+    cells = {tuple(l.split(" | ")[:2]): l.split(" | ")[4:7] for l in body}
+    assert cells[("| 350m", "bf16")] == ["3.0000", "", ""]
+    assert cells[("| 350m", "fp8-hybrid-delayed")] == ["2.9730", "-0.90%", "pass"]
+    assert cells[("| 350m", "fp8-hybrid-tensorwise")] == ["3.0270", "+0.90%", "pass"]
+    assert cells[("| 350m", "fp8-hybrid-rowwise")] == ["2.9850", "-0.50%", "pass"]
+    assert cells[("| llama-1b", "fp8-hybrid-delayed")] == ["2.0000", "", ""]
+    rows[0]["losses"][-50:] = [3.0303] * 50  # 1.01% above bf16
+    assert "| 350m | fp8-hybrid-rowwise | 300 | 11.0 | 3.0303 | +1.01% | FAIL |" in fp8_parity.table(rows)

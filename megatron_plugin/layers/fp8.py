@@ -25,6 +25,11 @@ Recipes, each a way of choosing the scale q = x * scale (the GEMM gets 1/scale):
   is saved (`_snapshot`). With one forward then one backward per micro-batch (schedules without pipeline
   parallelism) the scales are TE's; with forwards ahead of backwards (1F1B) a forward may see scales a
   micro-batch older than TE's. A forward without backward (eval) leaves the state as it was.
+  One departure from TE: a tensor whose state no use has set yet (history all zero and scale still 1: the first
+  step, or the first after a resume, since the state is not checkpointed) is quantized with its own amax, as
+  "tensorwise" would. TE's scale of 1 there leaves e5m2 gradients below its smallest subnormal (~1.5e-5) at 0,
+  which would zero the first step's weight gradients of whole layers. Its amax enters the history as TE's would,
+  so every later use follows TE's formulas.
 - "rowwise": one scale per row along the contraction: the input per token, the weight per output row in the
   forward; in the input-gradient GEMM the output gradient per token and the weight per input column. The weight
   gradient stays in bf16 (torchao's "rowwise_with_gw_hp"): rowwise along the token axis would need both
@@ -143,24 +148,39 @@ def delayed_update(history: torch.Tensor, scale: torch.Tensor, amax: torch.Tenso
     scale.copy_(new_scale)
 
 
-def delayed_scaling(x: torch.Tensor, scale: torch.Tensor,
-                    dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(x in FP8 with the scale the earlier uses gave, its dequantize scale, x's amax for `delayed_update`)."""
-    return quantize(x, scale, dtype), scale.reciprocal(), x.detach().abs().amax()
+def pending_scales(scale: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
+    """The scales the next use quantizes with: the state's, or 0 (never a scale `amax_to_scale` gives) in a row
+    that no use has set yet (its history all zero and its scale still 1), which `delayed_scaling` reads as "take
+    the tensor's own amax". With `amax_history_len=1` the history is zero after every update, so the scale
+    tells a set row from a new one (an amax of exactly fp8_max / 2^margin gives a scale of 1 too: that row's next
+    use is current-scaled, rare and harmless)."""
+    unset = (history == 0).all(dim=-1) & (scale == 1)
+    return torch.where(unset, torch.zeros_like(scale), scale)
+
+
+def delayed_scaling(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
+                    margin: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(x in FP8 with the scale the earlier uses gave, its dequantize scale, x's amax for `delayed_update`).
+    `scale` comes from `pending_scales`: where it is 0, the scale is x's own (current scaling, as tensorwise),
+    chosen by torch.where so that a compiled graph has no branch on it."""
+    amax = x.detach().abs().amax()
+    scale = torch.where(scale > 0, scale, amax_to_scale(amax, dtype, margin, 1.0))
+    return quantize(x, scale, dtype), scale.reciprocal(), amax
 
 
 # The delayed scales as a forward reads them, through an opaque op: the partitioner of a compiled layer
-# recomputes cheap elementwise work in the backward graph from the forward's inputs, and the state's scale
-# buffer is an input that another micro-batch's backward may have updated by then (measured: with two forwards
-# before their backwards, an input gradient ~1000x too large). An opaque op's output is saved, never recomputed.
-_snapshot = define_op("fp8_scale_snapshot(Tensor scale) -> Tensor", lambda scale: scale.clone(),
-                      lambda scale: torch.empty_like(scale))
+# recomputes cheap elementwise work in the backward graph from the forward's inputs, and the state's scale and
+# history buffers are inputs that another micro-batch's backward may have updated by then (measured: with two
+# forwards before their backwards, an input gradient ~1000x too large). An opaque op's output is saved, never
+# recomputed.
+_snapshot = define_op("fp8_scale_snapshot(Tensor scale, Tensor history) -> Tensor", pending_scales,
+                      lambda scale, history: torch.empty_like(scale))
 
 
 def _scaled(x, recipe: FP8Recipe, dtype, scale, row: int):
     """(FP8 x, dequantize scale, amax or None): current scaling, or delayed with the state's scale row."""
     if recipe.recipe == "delayed":
-        return delayed_scaling(x, scale[row], dtype)
+        return delayed_scaling(x, scale[row], dtype, recipe.margin)
     return (*current_scaling(x, dtype, recipe.margin), None)
 
 
@@ -183,7 +203,7 @@ class _FP8Linear(torch.autograd.Function):
             y = torch._scaled_mm(xq, wq.t(), xs, ws.t(), out_dtype=out_dtype)
             ctx.save_for_backward(x2, weight)
         else:
-            scales = _snapshot(scale) if scale is not None else None
+            scales = _snapshot(scale, history) if scale is not None else None
             xq, xs, x_amax = _scaled(x2, recipe, E4M3, scales, INPUT)
             wq, ws, w_amax = _scaled(weight, recipe, E4M3, scales, WEIGHT)
             y = torch._scaled_mm(xq, wq.t(), xs, ws, out_dtype=out_dtype)
@@ -213,7 +233,7 @@ class _FP8Linear(torch.autograd.Function):
         else:
             saved, xs, wq, ws, *amaxes = ctx.saved_tensors
             if amaxes:
-                gq, gs, g_amax = delayed_scaling(g2, amaxes[2], gdtype)
+                gq, gs, g_amax = delayed_scaling(g2, amaxes[2], gdtype, recipe.margin)
             else:
                 gq, gs, g_amax = _scaled(g2, recipe, gdtype, None, GRAD)
             out_dtype = grad.dtype
