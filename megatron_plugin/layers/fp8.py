@@ -57,7 +57,6 @@ from typing import Iterable, List, Optional, Tuple
 import torch
 
 from .compiled_linear import define_op
-from ..plugin import AMAX_COMPUTE_ALGOS, FP8_FORMATS, FP8_RECIPES  # noqa: F401 (the names, for users of this module)
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # where a linear keeps its state: a plain attribute, not a submodule, so that it is in no state_dict (HF export,
@@ -74,8 +73,8 @@ class FP8Recipe:
     fmt: str = "hybrid"
     recipe: str = "delayed"
     margin: int = 0
-    amax_history_len: int = 1024
-    amax_compute_algo: str = "max"
+    amax_history_len: int = 1  # the plugin's defaults (Megatron-LM's)
+    amax_compute_algo: str = "most_recent"
     wgrad: bool = True  # Megatron's fp8_wgrad: the weight-gradient GEMM in FP8 too (False: bf16)
 
     @property
