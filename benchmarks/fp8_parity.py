@@ -75,14 +75,15 @@ def tokenized_blocks(train_file, vocab, seq, cache):
     import torch
     from transformers import PreTrainedTokenizerFast
 
-    sys.path.insert(0, ROOT)
-    from examples.megatron_lm_gpt_pretraining import build_tokenizer
-
     os.makedirs(cache, exist_ok=True)
     tok_dir = os.path.join(cache, f"tokenizer_v{vocab}")
     if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
         tokenizer = PreTrainedTokenizerFast.from_pretrained(tok_dir)
     else:
+        # imported only here: the example imports `datasets`, which a GPU machine given the cache may lack
+        sys.path.insert(0, ROOT)
+        from examples.megatron_lm_gpt_pretraining import build_tokenizer
+
         tokenizer = build_tokenizer(train_file, vocab, tok_dir)
     path = os.path.join(cache, f"blocks_v{vocab}_s{seq}.pt")
     if os.path.exists(path):

@@ -605,3 +605,38 @@ def test_fp8_parity_table():
     assert cells[("| llama-1b", "fp8-hybrid-delayed")] == ["2.0000", "", ""]
     rows[0]["losses"][-50:] = [3.0303] * 50  # 1.01% above bf16
     assert "| 350m | fp8-hybrid-rowwise | 300 | 11.0 | 3.0303 | +1.01% | FAIL |" in fp8_parity.table(rows)
+
+
+def test_docstring_corpus_keeps_prose_only():
+    """benchmarks/docstring_corpus.py (the Llama parity run's text): prose paragraphs of every docstring, joined
+    into one line each; doctests, parameter lists, directives and short or symbol-heavy blocks dropped."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "docstring_corpus.py")
+    spec = importlib.util.spec_from_file_location("docstring_corpus", path)
+    corpus = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(corpus)
+    prose = "This function computes the running mean of a sequence and returns it as a new list of the same length."
+    source = f'''
+"""Module text that is long enough to count as a paragraph of real English prose, written for the test here."""
+
+def f(x):
+    """{prose[:44]}
+    {prose[45:]}
+
+    x : int
+        the input, described in a numpy-style parameter list that the corpus must leave out of its text
+
+    >>> f([1, 2, 3])  # a doctest that the corpus must drop as well, whatever its length may be
+    [1.0, 1.5, 2.0]
+
+    .. note:: a reST directive that is long enough but not prose at all, and must be dropped as well
+
+    Short one.
+    """
+'''
+    got = list(corpus.paragraphs(source))
+    assert got == ["Module text that is long enough to count as a paragraph of real English prose, written for the test "
+                   "here.", prose]
+    assert list(corpus.paragraphs("def broken(:\n")) == []

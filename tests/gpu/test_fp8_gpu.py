@@ -59,7 +59,8 @@ def test_fp8_tracks_bf16(family, recipe, compiled):
     a, b = got["losses"], ref["losses"]
     assert len(a) == len(b) == STEPS
     assert all(x == x for x in a), a  # no NaN
-    assert a[-1] < a[0] * 0.7, a  # it trains
+    # 20 steps of a tiny model on the arithmetic sequences: bf16 drops ~1 nat (GPT-2) / ~0.7 (Llama)
+    assert b[-1] < b[0] - 0.5 and a[-1] < a[0] - 0.5, (a, b)  # both train
     for i, (x, y) in enumerate(zip(a, b)):
         assert abs(x - y) / y < 0.05, (i, x, y)
     assert a != b  # FP8 GEMMs ran (bf16 would give the reference's losses)
