@@ -84,9 +84,92 @@ def megatron_step(args, model, data, world, batches, compiled, **plugin_kwargs):
     return step
 
 
-def timed_steps(step, steps, device):
+class StepWatch:
+    """What else happened in each timed step, so that a slow one in `step_ms` names its cause: CPython's
+    collections of generation 2 (any length) and 1 (over 1 ms), Dynamo frames compiled (a recompile), the host's
+    time per step (a host stall shows there), and over the whole window the CUDA caching allocator's new
+    cudaMallocs and its retries (an allocator miss: a retry frees the cache and synchronizes). Cheap enough for
+    timed runs: a GC callback, a counter read and a clock read per step; the allocator is read twice.
+
+        with StepWatch(cuda) as watch:
+            for i in range(steps):
+                step()
+                watch.end(i)
+        result.update(watch.report())
+    """
+
+    def __init__(self, cuda: bool):
+        self.cuda = cuda
+        self.step = 0
+        self.events = []  # (step index, what)
+        self.host_ms = []
+        self.gc_ms = 0.0  # every collection's time, and how many were full ones
+        self.gc_full = 0
+
+    @staticmethod
+    def _frames():
+        from torch._dynamo.utils import counters
+
+        return counters["frames"]["total"]
+
+    def _allocator(self):
+        import torch
+
+        stats = torch.cuda.memory_stats()
+        return {"cudaMalloc": stats.get("num_device_alloc", stats.get("segment.all.allocated", 0)),
+                "retries": stats.get("num_alloc_retries", 0)}
+
+    def _on_gc(self, phase, info):
+        if phase == "start":
+            self._gc_start = time.perf_counter()
+            return
+        ms = (time.perf_counter() - self._gc_start) * 1e3
+        self.gc_ms += ms
+        self.gc_full += info["generation"] == 2
+        if info["generation"] == 2 or (info["generation"] == 1 and ms > 1.0):
+            self.events.append((self.step, f"gc gen{info['generation']} {ms:.1f} ms"))
+
+    def __enter__(self):
+        import gc
+
+        self._gc_start = time.perf_counter()
+        gc.callbacks.append(self._on_gc)
+        self._frames0 = self._last_frames = self._frames()
+        self._alloc0 = self._allocator() if self.cuda else None
+        self._t = time.perf_counter()
+        return self
+
+    def end(self, i: int):
+        """After step i's call returns (the host's side of it; the GPU may still run it)."""
+        now = time.perf_counter()
+        self.host_ms.append(round((now - self._t) * 1e3, 1))
+        self._t = now
+        frames = self._frames()
+        if frames != self._last_frames:
+            self.events.append((i, f"{frames - self._last_frames} Dynamo frame(s) compiled"))
+            self._last_frames = frames
+        self.step = i + 1
+
+    def __exit__(self, *exc):
+        import gc
+
+        gc.callbacks.remove(self._on_gc)
+        if self.cuda:
+            now = self._allocator()
+            self.allocator = {k: now[k] - self._alloc0[k] for k in now}
+        return False
+
+    def report(self) -> dict:
+        out = {"host_ms": self.host_ms, "step_events": [list(e) for e in self.events],
+               "gc_ms": round(self.gc_ms, 1), "gc_full": self.gc_full}
+        if self.cuda:
+            out["allocator"] = self.allocator
+        return out
+
+
+def timed_steps(step, steps, device, events=None):
     """Run `steps` steps; returns (seconds, per-step ms, peak allocated bytes or None, the steps' losses read
-    after the clock stops). On GPU, events between
+    after the clock stops); `events`, a dict, receives StepWatch's report. On GPU, events between
     steps give each step's span on the GPU's timeline, so a slow step (a recompile, an allocator miss) shows
     instead of hiding in the mean."""
     import torch
@@ -99,12 +182,16 @@ def timed_steps(step, steps, device):
         marks[0].record()
     ends, losses = [], []
     t0 = time.perf_counter()
-    for i in range(steps):
-        losses.append(step())
-        marks[i + 1].record() if cuda else ends.append(time.perf_counter())
-    if cuda:
-        torch.cuda.synchronize()
+    with StepWatch(cuda) as watch:
+        for i in range(steps):
+            losses.append(step())
+            marks[i + 1].record() if cuda else ends.append(time.perf_counter())
+            watch.end(i)
+        if cuda:
+            torch.cuda.synchronize()
     dt = time.perf_counter() - t0
+    if events is not None:
+        events.update(watch.report())
     losses = [float(x) if x is not None else float("nan") for x in losses]
     if cuda:
         step_ms = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]

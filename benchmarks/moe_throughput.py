@@ -155,8 +155,8 @@ def measure(args):
     step, cfg, world, device = build_step(args)
     for _ in range(args.warmup):
         step()
-    with gc_pauses() as pauses:
-        dt, step_ms, peak, losses = timed_steps(step, args.steps, device)
+    watch = {}
+    dt, step_ms, peak, losses = timed_steps(step, args.steps, device, events=watch)
     tok_s = args.global_batch * args.seq * args.steps / dt
     total, active = param_counts(cfg)
     flops = tok_s * flops_per_token(cfg, args.seq) / world
@@ -170,7 +170,9 @@ def measure(args):
         # the same model, tokens and optimizer: the modes' losses track each other (HF's includes its aux loss)
         "losses": [round(x, 4) for x in losses],
         # Python's garbage collector stops the host that launches the kernels: its pauses per timed step
-        "gc_ms_per_step": round(pauses["ms"] / args.steps, 1), "gc_full_per_step": round(pauses["full"] / args.steps, 2),
+        "gc_ms_per_step": round(watch["gc_ms"] / args.steps, 1), "gc_full_per_step": round(watch["gc_full"] / args.steps, 2),
+        # what else happened in which step (bench_steps.StepWatch): GC, recompiles; the allocator's misses
+        "step_events": watch["step_events"], **({"allocator": watch["allocator"]} if "allocator" in watch else {}),
     }
     last = int(os.environ.get("RANK", "0")) == world - 1
     if last:
@@ -178,27 +180,6 @@ def measure(args):
     if args.profile:
         profile(step, args, device, last)
     return result
-
-
-@contextlib.contextmanager
-def gc_pauses():
-    """{'ms': total time in the garbage collector, 'full': oldest-generation collections} while inside."""
-    import gc
-    import time
-
-    out, started = {"ms": 0.0, "full": 0}, []
-
-    def callback(phase, info):
-        if phase == "start":
-            started[:] = [time.perf_counter()]
-        elif started:
-            out["ms"] += (time.perf_counter() - started[0]) * 1e3
-            out["full"] += info.get("generation") == 2
-    gc.callbacks.append(callback)
-    try:
-        yield out
-    finally:
-        gc.callbacks.remove(callback)
 
 
 def profile(step, args, device, report):

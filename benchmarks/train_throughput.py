@@ -24,6 +24,10 @@ the hf modes ignore it); the MFU column still divides by the bf16 peak: compare 
     python benchmarks/train_throughput.py --sizes 1.5b --num_micro 1 --modes megatron_compile --fp8 hybrid --fp8_recipe tensorwise
 `static_mem_gib` is what is allocated before the first step (weights, optimizer state); the TFLOP/s and MFU
 columns still count 6N per token, which a LoRA step does not do (no base weight gradients): compare tok/s.
+Beside `step_ms` (each timed step's span on the GPU's timeline) the JSON line says what else happened in each
+step (bench_steps.StepWatch): `host_ms` (the host's time per step), `step_events` ([step, "gc gen2 87.0 ms"],
+[step, "1 Dynamo frame(s) compiled"]) and `allocator` (new cudaMallocs and retries in the timed window), so that
+a slow step names its cause: a collection, a recompile, an allocator miss, or none of them (host jitter).
 
 FLOPs per token = 6 * N + 12 * L * h * s (N: parameters without position embeddings, counting a tied
 LM head once; L layers, h hidden size, s sequence length: the attention score and value matmuls,
@@ -203,6 +207,7 @@ def build_step(args):
 def measure(args):
     """One mode, one size, in this process; prints a JSON line on the last rank."""
     import torch
+    from bench_steps import StepWatch
 
     step, cfg, world = build_step(args)
     for _ in range(args.warmup):
@@ -215,10 +220,12 @@ def measure(args):
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(args.steps + 1)]
     t0 = time.perf_counter()
     marks[0].record()
-    for i in range(args.steps):
-        step()
-        marks[i + 1].record()
-    torch.cuda.synchronize()
+    with StepWatch(cuda=True) as watch:  # what else happened in each step: GC, recompiles, allocator
+        for i in range(args.steps):
+            step()
+            marks[i + 1].record()
+            watch.end(i)
+        torch.cuda.synchronize()
     dt = time.perf_counter() - t0
     step_ms = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]
     tokens = args.global_batch * args.seq * args.steps
@@ -242,7 +249,7 @@ def measure(args):
         "global_batch": args.global_batch, "tok_s": round(tok_s), "tflops_per_gpu": round(flops / 1e12, 1),
         "mfu": round(flops / peak_flops(name), 3), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "static_mem_gib": round(static_mem / 2**30, 2),
-        "params": n_params, "device": name, "step_ms": step_ms,
+        "params": n_params, "device": name, "step_ms": step_ms, **watch.report(),
     }
     if int(os.environ.get("RANK", "0")) == world - 1:
         print("RESULT " + json.dumps(result), flush=True)

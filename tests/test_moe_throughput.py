@@ -60,3 +60,39 @@ def test_hf_and_plugin_modes_train_alike_on_cpu(tmp_path):
         summary = (tmp_path / "prof" / f"qwen3-moe-tiny_{mode}_summary.txt").read_text()
         assert "no CUDA kernels recorded" in summary and "aten::" in summary, summary
         assert (tmp_path / "prof" / f"qwen3-moe-tiny_{mode}_trace.json.gz").stat().st_size > 1000
+
+
+def test_step_watch_names_what_happened_in_which_step():
+    """bench_steps.StepWatch (train_throughput's and moe_throughput's per-step events): a full collection and a
+    new compile are charged to the steps they happened in, the host time of each step is kept, and timed_steps
+    hands the report over."""
+    import gc
+    import time
+
+    from bench_steps import timed_steps
+
+    double = torch.compile(lambda x: x * 2, backend="eager")
+    seen = []
+
+    def step():
+        i = len(seen)
+        seen.append(i)
+        if i == 1:
+            double(torch.ones(3))  # a first compile
+        if i == 3:
+            gc.collect()  # a full collection
+        if i == 4:
+            time.sleep(0.05)  # a host stall
+        return torch.tensor(float(i))
+
+    events = {}
+    dt, step_ms, peak, losses = timed_steps(step, 6, torch.device("cpu"), events=events)
+    assert losses == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and peak is None
+    got = events["step_events"]
+    assert [i for i, what in got if what == "1 Dynamo frame(s) compiled"] == [1], got
+    assert 3 in [i for i, what in got if what.startswith("gc gen2 ")], got
+    assert not any(i in (0, 2, 5) for i, _ in got), got
+    assert events["gc_full"] >= 1 and events["gc_ms"] > 0
+    host = events["host_ms"]
+    assert len(host) == 6 and host[4] >= 50 and max(host[0], host[2], host[5]) < 50, host
+    assert "allocator" not in events  # CUDA only
