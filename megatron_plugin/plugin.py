@@ -812,22 +812,23 @@ def check_cpu_support(plugin: MegatronLMPlugin) -> None:
             )
 
 
-def check_fp8(plugin: MegatronLMPlugin, device_type: str, mixed_precision, model: Optional[str] = None) -> None:
+def check_fp8(plugin: MegatronLMPlugin, device_type: str, mixed_precision,
+              non_decoder_family: Optional[str] = None) -> None:
     """FP8 GEMMs (layers/fp8.py) need a decoder-only model (megatron-core's GPTModel: GPT-2, the Llama and MoE
     families), a CUDA GPU of compute capability >= 8.9 (Ada, Hopper and later) and bf16 mixed precision (bf16
-    activations and weights around them, fp32 master weights in megatron-core's optimizer). `model`: the family
-    name of a model that is not decoder-only (a family with its own builder: BERT, T5), None for one that is or
-    when not known; `mixed_precision` None: not checked (a CPU run is refused before it matters)."""
+    activations and weights around them, fp32 master weights in megatron-core's optimizer). `non_decoder_family`:
+    the family name of a model that is not decoder-only (a family with its own builder: BERT, T5), None for one
+    that is or when not known; `mixed_precision` None: not checked (a CPU run is refused before it matters)."""
     if not plugin.fp8:
         return
     if plugin.custom_model_provider_function is not None:
         raise MegatronPluginConfigError(
             "fp8", plugin.fp8, "FP8 runs in the linears prepare builds from the HF model (layers/fp8.py): leave "
             "custom_model_provider_function unset with fp8, or leave fp8 unset with a provider")
-    if model is not None:
+    if non_decoder_family is not None:
         raise MegatronPluginConfigError(
             "fp8", plugin.fp8, f"FP8 linears are for decoder-only models (GPT-2, Llama, Mistral, Qwen, the MoE "
-            f"families), not {model}: leave fp8 unset for this model")
+            f"families), not {non_decoder_family}: leave fp8 unset for this model")
     if device_type != "cuda":
         raise MegatronPluginConfigError(
             "fp8", plugin.fp8, "FP8 needs a CUDA GPU with compute capability >= 8.9 (H100/L40/4090): leave fp8 "

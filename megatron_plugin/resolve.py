@@ -253,7 +253,8 @@ def resolve(inputs: Inputs, plugin: MegatronLMPlugin, *, world_size: int, device
     dtype = MIXED_PRECISION.get(mixed_precision)
     hf_model = inputs.model
     family = check_model(plugin, hf_model.config, world_size=world_size)  # the plugin's one validation
-    check_fp8(plugin, device_type, mixed_precision, model=None if family.build is None else family.name)
+    check_fp8(plugin, device_type, mixed_precision,
+              non_decoder_family=None if family.build is None else family.name)
     check_moe_training(plugin, hf_model.config)
     num_layers = family.num_layers(hf_model.config)
     if family.num_experts(hf_model.config) and plugin.tp_degree > 1 and not plugin.sequence_parallelism:

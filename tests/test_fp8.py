@@ -326,7 +326,7 @@ def test_device_and_mixed_precision_refusals(monkeypatch):
         check_refusal(refusal(check_fp8, plugin, "cuda", precision), "mixed_precision", "mixed_precision='bf16'",
                       exact=True)
     assert refusal(check_fp8, MegatronLMPlugin(), "cpu", "no") is None
-    check_refusal(refusal(check_fp8, plugin, "cuda", "bf16", model="t5"), "fp8", "decoder-only", "not t5", exact=True)
+    check_refusal(refusal(check_fp8, plugin, "cuda", "bf16", non_decoder_family="t5"), "fp8", "decoder-only", "not t5", exact=True)
     provided = MegatronLMPlugin(fp8="hybrid", custom_model_provider_function=lambda **kw: None)
     check_refusal(refusal(check_fp8, provided, "cuda", "bf16"), "fp8", "custom_model_provider_function", exact=True)
 

@@ -334,6 +334,13 @@ class _PendingLoader:
         return self._length
 
 
+def _interleaved_eval_refusal(value, n: int, alternative: str = "") -> MegatronPluginConfigError:
+    return MegatronPluginConfigError(
+        "per_device_eval_batch_size", value,
+        f"the interleaved pipeline schedule (num_layers_per_virtual_pipeline_stage) runs an eval batch as {n} "
+        f"micro-batches: give eval batches (and an eval set) of a multiple of {n} rows{alternative}")
+
+
 def _interleaved(plugin) -> bool:
     """megatron-core's interleaved schedule (virtual pipeline stages) takes only multiples of the pipeline size
     as micro-batch counts."""
@@ -521,12 +528,8 @@ class MegatronTrainerMixin:
         if _interleaved(plugin) and batch is not None:
             last = len(dataset) % batch if sized and dp == 1 and not self.args.dataloader_drop_last else 0
             if batch % n or last % n:
-                raise MegatronPluginConfigError(
-                    "per_device_eval_batch_size", batch if batch % n else f"{batch} (last batch: {last})",
-                    f"the interleaved pipeline schedule (num_layers_per_virtual_pipeline_stage) runs an eval batch "
-                    f"as {n} micro-batches: give eval batches (and an eval set) of a multiple of {n} rows, or set "
-                    "dataloader_drop_last=True",
-                )
+                raise _interleaved_eval_refusal(batch if batch % n else f"{batch} (last batch: {last})", n,
+                                                ", or set dataloader_drop_last=True")
         if self.args.dataloader_drop_last or dp == 1 or batch is None or not sized:
             return
         if len(dataset) % (batch * dp):
@@ -745,12 +748,8 @@ class MegatronTrainerMixin:
         plugin, n = engine.plugin, engine.plugin.num_micro_batches
         if not _interleaved(plugin):
             return 1
-        if rows % n:
-            raise MegatronPluginConfigError(
-                "per_device_eval_batch_size", rows,
-                f"the interleaved pipeline schedule (num_layers_per_virtual_pipeline_stage) runs an eval batch as "
-                f"{n} micro-batches: give eval batches (and an eval set) of a multiple of {n} rows",
-            )
+        if rows % n:  # an unsized eval set, which _check_eval_size could not check before the run
+            raise _interleaved_eval_refusal(rows, n)
         return n
 
     # -- train --------------------------------------------------------------------------------------------

@@ -47,6 +47,9 @@ IGNORE_INDEX = -100
 SFT_INPUTS = ("input_ids", "attention_mask", "labels", "position_ids")
 # read against TRL 1.16's trainers (their data preparation, `_metrics`, the DPO reference loading)
 TRL_MIN = "1.16.0"
+# SFT and DPO refuse TRL's activation offloading alike
+_ACTIVATION_OFFLOADING_FIX = ("Megatron keeps its activations on the device: leave it False "
+                              "(megatron_lm_recompute_activations trades compute for memory)")
 
 
 def _check_trl_version():
@@ -138,11 +141,7 @@ class SFTTrainer(_TRLMetrics, MegatronTrainerMixin, trl.SFTTrainer):
                     "the Megatron GPT step computes TRL's 'nll' loss (token mean over the global batch): use 'nll'",
                 )
             if getattr(config, "activation_offloading", False):
-                raise MegatronPluginConfigError(
-                    "activation_offloading", True,
-                    "Megatron keeps its activations on the device: leave it False (megatron_lm_recompute_activations "
-                    "trades compute for memory)",
-                )
+                raise MegatronPluginConfigError("activation_offloading", True, _ACTIVATION_OFFLOADING_FIX)
         # compute_loss_func: refused by the mixin (the loss is the Megatron step's, TRL's 'nll')
         _refuse_vision(given.get("train_dataset"))
         collator = given.get("data_collator")
@@ -222,7 +221,7 @@ def _dpo_checks(config):
          "the reference log-probs come from a snapshot of the initial weights at each step (the numbers a "
          "precomputation would give): leave it False"),
         ("activation_offloading", bool(getattr(config, "activation_offloading", False)), False,
-         "Megatron keeps its activations on the device: leave it False"),
+         _ACTIVATION_OFFLOADING_FIX),
         ("rpo_alpha", getattr(config, "rpo_alpha", None), None, "RPO's NLL term is not computed: leave it None"),
     ]
     for name, value, expected, fix in checks:
