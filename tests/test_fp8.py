@@ -293,6 +293,70 @@ def test_compiled_equals_eager(recipe, interleaved):
                 assert (a.scale != 1).all(), step
 
 
+@pytest.mark.parametrize("length", [1, 3])
+@pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"], ids=["eager", "aot_eager", "inductor"])
+def test_settled_delayed_states_give_the_same_numbers(backend, length, monkeypatch):
+    """After the first step the engine marks delayed states whose rows are all set as settled (layers/fp8.settle):
+    their casts skip the first-use rule. Same weights, inputs and gradients, three steps of two micro-batches,
+    one run settled after its first step and one never: outputs, input and weight gradients, histories and
+    scales equal bit for bit, eager and compiled (the settled run compiles a second graph variant)."""
+    from megatron_plugin.layers.fp8 import settle
+
+    torch._dynamo.reset()
+    # Inductor keeps a fused kernel's intermediates in fp32 (GELU's output is cast to FP8 without passing
+    # through bf16 once fused): rounded as eager rounds them, the two graphs' numbers are comparable bit for bit
+    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
+    r = FP8Recipe(fmt="hybrid", recipe="delayed", amax_history_len=length)
+    plain, settling = _Two(r), _Two(r)
+    run_plain = plain if backend is None else torch.compile(plain, backend=backend, fullgraph=True)
+    run_settling = settling if backend is None else torch.compile(settling, backend=backend, fullgraph=True)
+    unsettled = [settling.s1, settling.s2]
+    assert settle(unsettled) == unsettled  # no use yet: every row unset
+    g = torch.Generator().manual_seed(8)
+    for step in range(3):
+        for i in range(2):
+            x = torch.randn(2, 16, 32, generator=g).bfloat16() * (step + i + 1)
+            dy = torch.randn(2, 16, 32, generator=g).bfloat16()
+            xp, xs = x.clone().requires_grad_(), x.clone().requires_grad_()
+            yp, ys = run_plain(xp), run_settling(xs)
+            yp.backward(dy)
+            ys.backward(dy)
+            assert torch.equal(yp, ys) and torch.equal(xp.grad, xs.grad), (step, i)
+        for a, b in ((plain.w1, settling.w1), (plain.w2, settling.w2)):
+            assert torch.equal(a.grad, b.grad), step
+        for a, b in ((plain.s1, settling.s1), (plain.s2, settling.s2)):
+            assert torch.equal(a.history, b.history) and torch.equal(a.scale, b.scale), step
+        unsettled = settle(unsettled)  # as the engine, after each training step
+        assert unsettled == [] and settling.s1.settled and settling.s2.settled and not plain.s1.settled
+
+
+def test_settled_casts_do_not_wait_for_the_amax(monkeypatch):
+    """What settling is for: the cast of a settled state's input fuses with the kernel that computes it and its
+    amax (Inductor, here on CPU), where the first-use rule's where() on the amax needs a second pass over the
+    tensor: one kernel fewer (2 against 1 without `emulate_precision_casts`, which the bit-for-bit comparison
+    with eager needs)."""
+    import torch._inductor.metrics as metrics
+
+    from megatron_plugin.layers.fp8 import _scaled
+
+    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)  # eager's bf16 rounding
+    r = FP8Recipe(fmt="hybrid", recipe="delayed")
+    x = torch.randn(64, 128).bfloat16()
+    scales = torch.tensor([2.0, 3.0, 4.0])
+    counts = {}
+    for settled in (False, True):
+        def cast(t, s):
+            return _scaled(torch.nn.functional.gelu(t), r, E4M3, s, 0, settled)
+
+        torch._dynamo.reset()
+        metrics.reset()
+        q, inv, amax = torch.compile(cast, fullgraph=True)(x, scales)
+        counts[settled] = metrics.generated_kernel_count
+        want_q, want_inv, want_amax = _scaled(torch.nn.functional.gelu(x), r, E4M3, scales, 0, settled)
+        assert torch.equal(q.float(), want_q.float()) and torch.equal(inv, want_inv) and torch.equal(amax, want_amax)
+    assert counts[True] == counts[False] - 1, counts  # one pass over the tensor fewer
+
+
 # -- settings -----------------------------------------------------------------------------------------------
 def test_plugin_refusals():
     cases = {

@@ -36,7 +36,7 @@ from .base import MegatronEngine, average_logs
 from ..errors import MegatronPluginConfigError
 from . import device_clip
 from .grad_buffers import GradBufferReset
-from ..layers.fp8 import state_of as fp8_state_of
+from ..layers.fp8 import settle as settle_fp8, state_of as fp8_state_of
 from ..layers.moe import MoELayer, stack_experts_each_forward
 from .optimizer import check_optimizer, check_optimizer_fields, use_fused_adam
 from .scheduler import build_scheduler
@@ -283,6 +283,9 @@ class MegatronCoreEngine(MegatronEngine):
         super().__init__(chunks, optimizer, scheduler, plugin, train_step, device)
         self.wrapped = torch.nn.ModuleList(wrapped)
         self.dtype = dtype
+        # delayed-scaling FP8 states not yet set by a use: settled after training steps (layers/fp8.settle)
+        self._unsettled_fp8 = [st for st in (fp8_state_of(m) for c in chunks for m in c.modules())
+                               if st is not None and st.scale is not None and not st.settled]
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -346,6 +349,8 @@ class MegatronCoreEngine(MegatronEngine):
         if ok and self.scheduler is not None:
             self.scheduler.step(1)
         self.iteration += 1
+        if self._unsettled_fp8:  # normally after the first step only: one device read
+            self._unsettled_fp8 = settle_fp8(self._unsettled_fp8)
         return self._share_from_last_stage(average_logs(collected))
 
     def _eval_step(self, micro_batches):

@@ -29,7 +29,11 @@ Recipes, each a way of choosing the scale q = x * scale (the GEMM gets 1/scale):
   step, or the first after a resume, since the state is not checkpointed) is quantized with its own amax, as
   "tensorwise" would. TE's scale of 1 there leaves e5m2 gradients below its smallest subnormal (~1.5e-5) at 0,
   which would zero the first step's weight gradients of whole layers. Its amax enters the history as TE's would,
-  so every later use follows TE's formulas.
+  so every later use follows TE's formulas. That rule makes each cast wait for its tensor's amax (a where() on
+  it); once every row of a state is set the CUDA engine marks it `settled` (`settle`, after training steps,
+  normally the first), and its casts take the state's scales directly: the same scales (a set row's scale is
+  what the where() picked), and in a compiled graph one pass fewer over each tensor, the cast fused into the
+  kernel that reduces the amax (whose fp32 intermediates may round an element differently, as any fusion).
 - "rowwise": one scale per row along the contraction: the input per token, the weight per output row in the
   forward; in the input-gradient GEMM the output gradient per token and the weight per input column. The weight
   gradient stays in bf16 (torchao's "rowwise_with_gw_hp"): rowwise along the token axis would need both
@@ -96,6 +100,9 @@ class FP8State:
         self.recipe = recipe
         self.history: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
+        # delayed: every row set by a use (`settle`, after a training step): the casts then take the state's
+        # scales without the first-use rule, so they no longer wait for their tensor's amax (one pass, not two)
+        self.settled = False
         if recipe.recipe == "delayed":
             self.history = torch.zeros(3, recipe.amax_history_len, dtype=torch.float32, device=device)
             self.scale = torch.ones(3, dtype=torch.float32, device=device)
@@ -157,13 +164,16 @@ def pending_scales(scale: torch.Tensor, history: torch.Tensor) -> torch.Tensor:
     return torch.where(unset, torch.zeros_like(scale), scale)
 
 
-def delayed_scaling(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                    margin: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def delayed_scaling(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, margin: int,
+                    settled: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(x in FP8 with the scale the earlier uses gave, its dequantize scale, x's amax for `delayed_update`).
     `scale` comes from `pending_scales`: where it is 0, the scale is x's own (current scaling, as tensorwise),
-    chosen by torch.where so that a compiled graph has no branch on it."""
+    chosen by torch.where so that a compiled graph has no branch on it. That choice makes the cast wait for the
+    whole tensor's amax; a `settled` state (every row set) skips it, and a compiled graph then casts in the
+    kernel that reduces the amax (the same numbers: a set row's scale is > 0, so the where picks it)."""
     amax = x.detach().abs().amax()
-    scale = torch.where(scale > 0, scale, amax_to_scale(amax, dtype, margin, 1.0))
+    if not settled:
+        scale = torch.where(scale > 0, scale, amax_to_scale(amax, dtype, margin, 1.0))
     return quantize(x, scale, dtype), scale.reciprocal(), amax
 
 
@@ -174,12 +184,32 @@ def delayed_scaling(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
 # recomputed.
 _snapshot = define_op("fp8_scale_snapshot(Tensor scale, Tensor history) -> Tensor", pending_scales,
                       lambda scale, history: torch.empty_like(scale))
+# a settled state's scales as they stand (no row is unset), through an opaque op for the same reason
+_settled_snapshot = define_op("fp8_settled_scale_snapshot(Tensor scale) -> Tensor", torch.clone,
+                              lambda scale: torch.empty_like(scale))
 
 
-def _scaled(x, recipe: FP8Recipe, dtype, scale, row: int):
+def unsettled_rows(state: FP8State) -> torch.Tensor:
+    """How many of a delayed state's rows no use has set yet (as `pending_scales` tells them), on its device."""
+    return ((state.history == 0).all(dim=-1) & (state.scale == 1)).sum()
+
+
+def settle(states: List[FP8State]) -> List[FP8State]:
+    """Marks the delayed states whose rows are all set as `settled`; returns those still unsettled. The engine
+    calls it after training steps until none is left (normally after the first: every FP8 linear's backward
+    sets its three rows). One device read for all of them."""
+    if not states:
+        return []
+    counts = torch.stack([unsettled_rows(st) for st in states]).tolist()
+    for st, n in zip(states, counts):
+        st.settled = n == 0
+    return [st for st in states if not st.settled]
+
+
+def _scaled(x, recipe: FP8Recipe, dtype, scale, row: int, settled: bool = False):
     """(FP8 x, dequantize scale, amax or None): current scaling, or delayed with the state's scale row."""
     if recipe.recipe == "delayed":
-        return delayed_scaling(x, scale[row], dtype, recipe.margin)
+        return delayed_scaling(x, scale[row], dtype, recipe.margin, settled)
     return (*current_scaling(x, dtype, recipe.margin), None)
 
 
@@ -192,7 +222,7 @@ class _FP8Linear(torch.autograd.Function):
     """y = x W^T with FP8 GEMMs in both directions (see the module docstring); out in x's dtype."""
 
     @staticmethod
-    def forward(ctx, x, weight, history, scale, recipe: FP8Recipe):
+    def forward(ctx, x, weight, history, scale, recipe: FP8Recipe, settled: bool):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         out_dtype = x.dtype
@@ -202,9 +232,11 @@ class _FP8Linear(torch.autograd.Function):
             y = torch._scaled_mm(xq, wq.t(), xs, ws.t(), out_dtype=out_dtype)
             ctx.save_for_backward(x2, weight)
         else:
-            scales = _snapshot(scale, history) if scale is not None else None
-            xq, xs, x_amax = _scaled(x2, recipe, E4M3, scales, INPUT)
-            wq, ws, w_amax = _scaled(weight, recipe, E4M3, scales, WEIGHT)
+            scales = None
+            if scale is not None:
+                scales = _settled_snapshot(scale) if settled else _snapshot(scale, history)
+            xq, xs, x_amax = _scaled(x2, recipe, E4M3, scales, INPUT, settled)
+            wq, ws, w_amax = _scaled(weight, recipe, E4M3, scales, WEIGHT, settled)
             y = torch._scaled_mm(xq, wq.t(), xs, ws, out_dtype=out_dtype)
             # the weight gradient reads the input again: in FP8 (a quarter of bf16's memory), or in bf16 when
             # it is computed in bf16 (fp8_wgrad=False, or a token count that FP8 GEMMs cannot take)
@@ -214,6 +246,7 @@ class _FP8Linear(torch.autograd.Function):
             amaxes = () if x_amax is None else (x_amax, w_amax, scales[GRAD])
             ctx.save_for_backward(xq if ctx.fp8_wgrad else x2, xs, wq, ws, *amaxes)
         ctx.recipe, ctx.history, ctx.scale, ctx.shape, ctx.weight_dtype = recipe, history, scale, shape, weight.dtype
+        ctx.settled = settled
         return y.reshape(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -232,7 +265,7 @@ class _FP8Linear(torch.autograd.Function):
         else:
             saved, xs, wq, ws, *amaxes = ctx.saved_tensors
             if amaxes:
-                gq, gs, g_amax = delayed_scaling(g2, amaxes[2], gdtype, recipe.margin)
+                gq, gs, g_amax = delayed_scaling(g2, amaxes[2], gdtype, recipe.margin, ctx.settled)
             else:
                 gq, gs, g_amax = _scaled(g2, recipe, gdtype, None, GRAD)
             out_dtype = grad.dtype
@@ -247,12 +280,12 @@ class _FP8Linear(torch.autograd.Function):
                 for row, amax, dtype in ((INPUT, amaxes[0], E4M3), (WEIGHT, amaxes[1], E4M3), (GRAD, g_amax, gdtype)):
                     delayed_update(ctx.history[row], ctx.scale[row], amax, dtype, recipe.margin,
                                    recipe.amax_compute_algo)
-        return dx.reshape(ctx.shape), dw, None, None, None
+        return dx.reshape(ctx.shape), dw, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
     """x @ weight.T in FP8 by `state`'s recipe (no bias, no collectives: see `fp8_forward`)."""
-    return _FP8Linear.apply(x, weight, state.history, state.scale, state.recipe)
+    return _FP8Linear.apply(x, weight, state.history, state.scale, state.recipe, state.settled)
 
 
 def state_of(layer) -> Optional[FP8State]:

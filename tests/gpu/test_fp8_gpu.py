@@ -34,7 +34,10 @@ def _train(family, fp8, recipe, compiled):
     fp8_linears = sorted(n for n, m in engine.chunks.named_modules() if state_of(m) is not None)
     engine.train()
     losses = [engine(**batch).loss.item() for batch in loader][:STEPS]
-    return {"losses": losses, "fp8_linears": fp8_linears}
+    states = [state_of(m) for m in engine.chunks.modules() if state_of(m) is not None]
+    # delayed scaling: the engine settles every state after the first step (its casts skip the first-use rule)
+    settled = [st.settled for st in states if st.scale is not None]
+    return {"losses": losses, "fp8_linears": fp8_linears, "settled": settled}
 
 
 _BF16 = {}
@@ -64,3 +67,4 @@ def test_fp8_tracks_bf16(family, recipe, compiled):
     for i, (x, y) in enumerate(zip(a, b)):
         assert abs(x - y) / y < 0.05, (i, x, y)
     assert a != b  # FP8 GEMMs ran (bf16 would give the reference's losses)
+    assert got["settled"] == ([True] * 8 if recipe == "delayed" else []), got["settled"]
