@@ -28,6 +28,7 @@ Beside `step_ms` (each timed step's span on the GPU's timeline) the JSON line sa
 step (bench_steps.StepWatch): `host_ms` (the host's time per step), `step_events` ([step, "gc gen2 87.0 ms"],
 [step, "1 Dynamo frame(s) compiled"]) and `allocator` (new cudaMallocs and retries in the timed window), so that
 a slow step names its cause: a collection, a recompile, an allocator miss, or none of them (host jitter).
+`--manual_gc N` runs the plugin with Megatron-LM's manual garbage collection (collections only every N steps).
 
 FLOPs per token = 6 * N + 12 * L * h * s (N: parameters without position embeddings, counting a tied
 LM head once; L layers, h hidden size, s sequence length: the attention score and value matmuls,
@@ -164,7 +165,8 @@ def build_step(args):
                                   recompute_activations=args.recompute, fused_kernels=args.fused,
                                   gradient_accumulation_fusion=False if args.no_wgrad_fusion else (True if args.wgrad_fusion else None),
                                   torch_compile=args.mode == "megatron_compile",
-                                  fp8=args.fp8 or None, fp8_recipe=args.fp8_recipe)
+                                  fp8=args.fp8 or None, fp8_recipe=args.fp8_recipe,
+                                  manual_gc=args.manual_gc is not None, manual_gc_interval=args.manual_gc or 0)
         dynamo = {}
         if args.compile_mode and args.mode == "megatron_compile":  # through accelerate's knob, as a user sets it
             from accelerate.utils import TorchDynamoPlugin
@@ -242,6 +244,8 @@ def measure(args):
         variant += f" lora r={args.lora_r}"
     if args.fp8 and args.mode.startswith("megatron"):
         variant += f" fp8={args.fp8}/{args.fp8_recipe}"
+    if args.manual_gc is not None and args.mode.startswith("megatron"):
+        variant += f" manual_gc={args.manual_gc}"
     if args.num_micro > 1:
         variant += f" ({args.num_micro} micro-batches)"
     result = {
@@ -263,6 +267,7 @@ def drive(args):
             for key in ("seq", "global_batch", "steps", "warmup", "tp", "pp", "cp", "num_micro", "compile_mode", "lora_r"):
                 cmd += [f"--{key}", str(getattr(args, key))]
             cmd += ["--fp8", args.fp8, "--fp8_recipe", args.fp8_recipe] if args.fp8 else []
+            cmd += ["--manual_gc", str(args.manual_gc)] if args.manual_gc is not None else []
             cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion") if getattr(args, flag)]
             if args.nproc > 1:
                 cmd = ["torchrun", "--nproc-per-node", str(args.nproc)] + cmd[1:]
@@ -307,6 +312,9 @@ def parser(description=__doc__.splitlines()[0]):
                    help="megatron: MegatronLMPlugin(fp8=...): FP8 GEMMs in the transformer layers (SM >= 8.9)")
     p.add_argument("--fp8_recipe", default="delayed", choices=["delayed", "tensorwise", "rowwise"],
                    help="megatron: MegatronLMPlugin(fp8_recipe=...), with --fp8")
+    p.add_argument("--manual_gc", type=int, default=None, metavar="N",
+                   help="megatron: MegatronLMPlugin(manual_gc=True, manual_gc_interval=N): Python's collector off, "
+                        "a collection every N steps (0: none between steps)")
     p.add_argument("--sp", action="store_true")
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--recompute", action="store_true")

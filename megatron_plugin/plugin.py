@@ -412,6 +412,19 @@ class MegatronLMPlugin:
                                         "off in Megatron-LM: the layers most sensitive to FP8's range)"})
     num_layers_at_start_in_bf16: int = field(default=1, metadata={"help": "see first_last_layers_bf16"})
     num_layers_at_end_in_bf16: int = field(default=1, metadata={"help": "see first_last_layers_bf16"})
+    # Megatron-LM's manual garbage collection (engine/manual_gc.py)
+    manual_gc: bool = field(
+        default=False, metadata={"help": "turn off Python's threshold-based garbage collector for the run and collect "
+                                         "at chosen points instead, the same step on every rank, so that no rank "
+                                         "stalls a step with a collection the others wait for (Megatron-LM's "
+                                         "--manual-gc)"})
+    manual_gc_interval: int = field(
+        default=0, metadata={"help": "with manual_gc: collect every this many training steps; 0: never between "
+                                     "steps (Megatron-LM's --manual-gc-interval)"})
+    manual_gc_eval: bool = field(
+        default=True, metadata={"help": "with manual_gc: also collect where evaluation starts and ends (the model "
+                                        "switching between eval() and train()); False is Megatron-LM's "
+                                        "--no-manual-gc-eval"})
     hf_checkpoint: Optional[str] = field(
         default=None,
         metadata={"help": "a local HF model folder (safetensors, sharded or not) to read the weights from when the "
@@ -544,6 +557,13 @@ class MegatronLMPlugin:
             raise MegatronPluginConfigError("lr_decay_style", self.lr_decay_style, "use 'constant', 'linear' or 'cosine'")
         self._validate_accelerate_fields()
         self._validate_fp8()
+        for name in ("manual_gc", "manual_gc_eval"):
+            if not isinstance(getattr(self, name), bool):
+                raise MegatronPluginConfigError(name, getattr(self, name), f"use True or False for {name}")
+        interval = self.manual_gc_interval
+        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+            raise MegatronPluginConfigError("manual_gc_interval", interval,
+                                            "use a whole number >= 0 (steps between collections; 0: none between steps)")
         if world_size is not None and world_size < 1:
             raise MegatronPluginConfigError("num_processes", world_size, "launch at least one process")
         if world_size is not None:

@@ -241,6 +241,112 @@ def test_token_count_not_a_multiple_of_16_takes_the_bf16_weight_gradient():
     assert torch.equal(wr.grad, (g2.t() @ x2).bfloat16())
 
 
+# -- a training step's quantized weights, and the weight gradient into main_grad --------------------------------
+def _step(state, x, w, dys, cache, fuse=False, main_grad=None):
+    """One training step of len(dys) micro-batches through one FP8 linear, the weight quantized once for the step
+    (`cache`) or by every micro-batch; the weight gradient into `main_grad` (`fuse`) or summed from `.grad`."""
+    from megatron_plugin.layers.fp8 import cache_weights, drop_weight_cache
+
+    wr = w.clone().requires_grad_()
+    if fuse:
+        wr.main_grad = main_grad
+    state.weight = wr
+    if cache:
+        cache_weights([state])
+    ys, dxs, dws = [], [], []
+    for i, dy in enumerate(dys):
+        xr = (x * (i + 1)).clone().requires_grad_()
+        y = fp8_linear(xr, wr, state, fuse_wgrad=fuse)
+        y.backward(dy)
+        ys.append(y)
+        dxs.append(xr.grad)
+        dws.append(wr.grad)
+        wr.grad = None
+    drop_weight_cache([state])
+    assert state.cached is None
+    return ys, dxs, dws
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_a_steps_cached_weight_gives_the_same_numbers(recipe):
+    """The weight quantized once a step (layers/fp8.cache_weights, as TE's is_first_microbatch) instead of by each
+    micro-batch: the same GEMM operands, so the same outputs and gradients bit for bit; delayed scaling records the
+    weight's amax once a step, which with an unchanged weight leaves the same history and scales."""
+    x, w, _ = _data(seed=11)
+    dys = [torch.randn(2, 16, 48, generator=torch.Generator().manual_seed(i)).bfloat16() * 1e-3 for i in range(3)]
+    r = FP8Recipe(fmt="hybrid", recipe=recipe, amax_history_len=1)
+    states = [FP8State(r, "cpu"), FP8State(r, "cpu")]
+    for step in range(2):  # the first step sets a delayed state's rows, the second uses them
+        got = [_step(st, x, w, dys, cache) for st, cache in zip(states, (True, False))]
+        for name, a, b in zip(("y", "dx", "dw"), *got):
+            for i, (u, v) in enumerate(zip(a, b)):
+                assert torch.equal(u, v), (step, name, i)
+        if recipe == "delayed":
+            assert torch.equal(states[0].history, states[1].history) and torch.equal(states[0].scale, states[1].scale)
+            assert (states[0].scale != 1).all()
+
+
+def test_a_changed_weight_is_quantized_with_the_earlier_steps_scale():
+    """Delayed scaling with a cached weight (TE's): the step's copy takes the scale the weight's earlier amaxes gave,
+    then records this step's amax."""
+    from megatron_plugin.layers.fp8 import WEIGHT, cache_weights
+
+    x, w, _ = _data(seed=12)
+    state = FP8State(FP8Recipe(fmt="hybrid", recipe="delayed"), "cpu")
+    state.weight = w
+    cache_weights([state])  # a new state: the weight's own amax, then recorded
+    old_scale = 448.0 / w.float().abs().max()
+    assert state.scale[WEIGHT] == old_scale and torch.equal(state.cached[0].float(), _q(w.float(), old_scale, E4M3).float())
+    w2 = w * 3  # saturates at the old scale
+    state.weight = w2
+    cache_weights([state])
+    wq, ws, wt, wts = state.cached
+    assert torch.equal(wq.float(), _q(w2.float(), old_scale, E4M3).float()) and ws == 1 / old_scale
+    assert torch.equal(wt, wq.t().contiguous()) and wts is None  # the forward's scale
+    assert state.scale[WEIGHT] == 448.0 / w2.float().abs().max()
+
+
+@pytest.mark.parametrize("recipe,wgrad", [("tensorwise", True), ("delayed", True), ("tensorwise", False),
+                                          ("rowwise", True)], ids=["tensorwise", "delayed", "bf16_wgrad", "rowwise"])
+def test_weight_gradient_into_main_grad(recipe, wgrad, monkeypatch):
+    """With gradient_accumulation_fusion the weight gradient goes into the fp32 main_grad inside the backward
+    (layers/fp8._wgrad_into_main_grad), not through `.grad` and DDP's hook: the step's first GEMM writes main_grad
+    whole where the engine left it unzeroed (`write_first`; the FP8 GEMM in fp32, without bf16's rounding),
+    later micro-batches add theirs as the hook added `.grad`. The bf16 weight gradient (fp8_wgrad=False,
+    rowwise) is layers/wgrad.py's fused GEMM (its bf16 x bf16 -> fp32 addmm is CUDA's: here the same in fp32)."""
+    from megatron_plugin.layers import wgrad as wg
+
+    monkeypatch.setattr(wg, "wgrad_gemm_accum_fp32", lambda x, g, mg: mg.addmm_(g.t().float(), x.float(), beta=wg._beta(mg)))
+    x, w, _ = _data(seed=13)
+    dys = [torch.randn(2, 16, 48, generator=torch.Generator().manual_seed(i)).bfloat16() * 1e-2 for i in range(3)]
+    r = FP8Recipe(fmt="hybrid", recipe=recipe, amax_history_len=1, wgrad=wgrad)
+    main_grad = torch.full((48, 64), float("nan"))  # as the engine leaves a write_first buffer: never read
+    main_grad.write_first = True
+    fused = _step(FP8State(r, "cpu"), x, w, dys, cache=True, fuse=True, main_grad=main_grad)
+    ref = _step(FP8State(r, "cpu"), x, w, dys, cache=True)
+    for name, a, b in zip(("y", "dx"), fused[:2], ref[:2]):
+        for u, v in zip(a, b):
+            assert torch.equal(u, v), name
+    assert main_grad.write_first is False and not main_grad.isnan().any()
+    first = main_grad - ref[2][1].float() - ref[2][2].float()  # the first micro-batch's part, in fp32
+    fp8_gemm = wgrad and recipe != "rowwise"
+    if fp8_gemm:
+        # fp32 out: bf16's rounding of it is the unfused gradient, and later micro-batches add exactly theirs
+        assert torch.equal(first.bfloat16(), ref[2][0]) and not torch.equal(first, ref[2][0].float())
+    else:  # every micro-batch's product in fp32 (the fused GEMM's), where the reference rounded each to bf16
+        err = (main_grad - sum(d.float() for d in ref[2])).abs()
+        assert (err <= sum(d.float().abs() for d in ref[2]) * 2.0 ** -8).all(), err.max()
+        assert not torch.equal(main_grad, sum(d.float() for d in ref[2]))
+    # an unmarked main_grad is added to
+    again = main_grad.clone()
+    _step(FP8State(r, "cpu"), x, w, dys[:1], cache=False, fuse=True, main_grad=main_grad)
+    diff = main_grad - again
+    if fp8_gemm:
+        assert torch.equal(diff, ref[2][0].float() + again - again)
+    else:
+        assert torch.allclose(diff, ref[2][0].float(), rtol=2.0 ** -7, atol=1e-12)
+
+
 # -- compiled == eager --------------------------------------------------------------------------------------
 class _Two(torch.nn.Module):
     """Two FP8 linears with a GELU between, as in an MLP."""
@@ -291,6 +397,78 @@ def test_compiled_equals_eager(recipe, interleaved):
             for a, b in ((eager.s1, compiled.s1), (eager.s2, compiled.s2)):
                 assert torch.equal(a.history, b.history) and torch.equal(a.scale, b.scale), step
                 assert (a.scale != 1).all(), step
+
+
+class _TwoFused(_Two):
+    """_Two as the CUDA engine runs it: weights with fp32 main_grads that the backward writes into."""
+
+    def __init__(self, recipe):
+        super().__init__(recipe)
+        for w, st in ((self.w1, self.s1), (self.w2, self.s2)):
+            w.main_grad = torch.zeros(w.shape)
+            st.weight = w
+
+    def forward(self, x):
+        h = fp8_linear(x, self.w1, self.s1, fuse_wgrad=True)
+        return fp8_linear(torch.nn.functional.gelu(h), self.w2, self.s2, fuse_wgrad=True)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_compiled_cached_weights_and_fused_wgrad_equal_eager(recipe, backend, monkeypatch):
+    """The engine's step: weights quantized once (cache_weights), two micro-batches whose weight gradients go into
+    main_grad (the first writing it), settled after the first step. Traced (aot_eager, fullgraph) it equals eager
+    bit for bit: outputs, input gradients, main_grads, delayed histories and scales. Inductor's fused kernels
+    (GELU, the casts) may round an element otherwise, which FP8 then moves by a step of its grid: within 1%.
+    One graph per variant, none recompiled when the next step brings new cached tensors."""
+    from torch._dynamo.utils import counters
+
+    from megatron_plugin.layers import wgrad as wg
+    from megatron_plugin.layers.fp8 import cache_weights, drop_weight_cache, settle
+
+    # rowwise's bf16 weight gradient: CUDA's bf16 x bf16 -> fp32 addmm, here in fp32
+    monkeypatch.setattr(wg, "wgrad_gemm_accum_fp32", lambda x, g, mg: mg.addmm_(g.t().float(), x.float(), beta=wg._beta(mg)))
+    torch._dynamo.reset()
+    counters.clear()
+    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
+
+    def same(a, b):
+        if backend == "aot_eager":
+            return torch.equal(a, b)
+        return ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2
+    r = FP8Recipe(fmt="hybrid", recipe=recipe, amax_history_len=3)
+    eager, compiled = _TwoFused(r), _TwoFused(r)
+    run = torch.compile(compiled, backend=backend, fullgraph=True)
+    g = torch.Generator().manual_seed(9)
+    for step in range(3):
+        xs = [torch.randn(2, 16, 32, generator=g).bfloat16() * (step + i + 1) for i in range(2)]
+        dys = [torch.randn(2, 16, 32, generator=g).bfloat16() for _ in range(2)]
+        for model, fn in ((eager, eager), (compiled, run)):
+            states = [model.s1, model.s2]
+            for w in (model.w1, model.w2):
+                w.main_grad.fill_(float("nan"))
+                w.main_grad.write_first = True
+            cache_weights(states)
+            model.outs = []
+            for x, dy in zip(xs, dys):
+                xr = x.clone().requires_grad_()
+                y = fn(xr)
+                y.backward(dy)
+                model.outs += [y, xr.grad]
+            drop_weight_cache(states)
+            if recipe == "delayed":
+                settle(states)
+        for a, b in zip(eager.outs, compiled.outs):
+            assert same(a, b), step
+        for a, b in ((eager.w1, compiled.w1), (eager.w2, compiled.w2)):
+            assert not a.main_grad.isnan().any() and same(a.main_grad, b.main_grad), step
+            assert a.grad_added_to_main_grad and b.grad_added_to_main_grad
+        if recipe == "delayed":
+            for a, b in ((eager.s1, compiled.s1), (eager.s2, compiled.s2)):
+                assert same(a.history, b.history) and same(a.scale, b.scale), step
+            assert compiled.s1.settled
+    # the first step's graph and, for delayed, the settled variant's: later steps' new cached tensors reuse them
+    assert counters["stats"]["unique_graphs"] == (2 if recipe == "delayed" else 1), counters["stats"]
 
 
 @pytest.mark.parametrize("length", [1, 3])
@@ -439,8 +617,8 @@ def _layers_and_tp_sp(sp):
     names = attach_fp8([model.module], plugin)
     from megatron_plugin.engine.grad_buffers import written_first_by_gemm
 
-    # the engine zeroes the main_grad of every weight that no fused GEMM writes first: the FP8 linears'
-    # gradients come through DDP's hook, which adds
+    # the engine zeroes the main_grad of every weight that no fused GEMM writes first: the FP8 linears' weight
+    # gradients go into main_grad inside their backward (layers/fp8._wgrad_into_main_grad), the first one writing
     first = written_first_by_gemm(model.module)
     written_first = {n: p in first for n, p in model.module.named_parameters() if n.endswith("linear_fc1.weight")}
     linears = {n: state_of(m) is not None for n, m in model.module.named_modules()
@@ -477,7 +655,7 @@ def test_first_last_layers_stay_bf16_and_tp_collectives_hold(world_size, sp):
         assert fp8_layers == {1, 2}, r["linears"]  # 4 layers, the first and the last in bf16
         assert all(on == (int(n.split(".")[2]) in (1, 2)) for n, on in r["linears"].items()), r["linears"]
         assert len(r["names"]) == 8
-        assert r["written_first"] == {f"decoder.layers.{i}.mlp.linear_fc1.weight": i in (0, 3) for i in range(4)}
+        assert r["written_first"] == {f"decoder.layers.{i}.mlp.linear_fc1.weight": True for i in range(4)}
         fp8_loss, ref_loss = r["loss"]
         assert abs(fp8_loss - ref_loss) / ref_loss < 1e-2, r["loss"]
         assert 0 < r["logits_rel"] < 5e-2, r["logits_rel"]

@@ -34,6 +34,7 @@ from .batch_check import BatchCheck, DeferredCheck, NoLossInStep
 from .expert_group import check_same_shapes
 from .expert_load import ExpertLoad
 from .logprobs import LogProbs
+from .manual_gc import ManualGC
 from .post_training import PostTrainingState
 from .rng import ModelRNG
 
@@ -126,6 +127,14 @@ class MegatronEngine(torch.nn.Module):
         self.expert_load = ExpertLoad.of(chunks, device)  # None without MoE layers
         self.lora = None  # engine/lora.LoraRun when prepare was given a PeftModel (set by build)
         self._micro_batch_count = None  # set by `micro_batch_count` for the calls inside it
+        self.manual_gc = ManualGC(plugin)
+
+    def train(self, mode: bool = True):
+        changed = mode != self.training
+        super().train(mode)
+        if changed:
+            self.manual_gc.mode_changed()
+        return self
 
     # -- the step -------------------------------------------------------------------------------
     def forward(self, **batch):
@@ -144,8 +153,10 @@ class MegatronEngine(torch.nn.Module):
         with self.post_training.busy(), self.rng.active(), (load.recorded() if load else contextlib.nullcontext()):
             if self.training:
                 self._pending_check = checked if isinstance(checked, DeferredCheck) else None
+                self.manual_gc.before_train_step()
                 try:
                     logs = self._train_step(micro_batches)
+                    self.manual_gc.after_train_step(self.iteration)
                 except NoLossInStep:
                     return self._skipped_step(cls)
                 except BaseException:

@@ -36,6 +36,7 @@ from .base import MegatronEngine, average_logs
 from ..errors import MegatronPluginConfigError
 from . import device_clip
 from .grad_buffers import GradBufferReset
+from ..layers.fp8 import cache_weights as cache_fp8_weights, drop_weight_cache as drop_fp8_weight_cache
 from ..layers.fp8 import settle as settle_fp8, state_of as fp8_state_of
 from ..layers.moe import MoELayer, stack_experts_each_forward
 from .optimizer import check_optimizer, check_optimizer_fields, use_fused_adam
@@ -283,9 +284,10 @@ class MegatronCoreEngine(MegatronEngine):
         super().__init__(chunks, optimizer, scheduler, plugin, train_step, device)
         self.wrapped = torch.nn.ModuleList(wrapped)
         self.dtype = dtype
-        # delayed-scaling FP8 states not yet set by a use: settled after training steps (layers/fp8.settle)
-        self._unsettled_fp8 = [st for st in (fp8_state_of(m) for c in chunks for m in c.modules())
-                               if st is not None and st.scale is not None and not st.settled]
+        # FP8 linears' states: their weights quantized once a training step (layers/fp8.cache_weights); the
+        # delayed-scaling ones not yet set by a use settled after training steps (layers/fp8.settle)
+        self._fp8_states = [st for st in (fp8_state_of(m) for c in chunks for m in c.modules()) if st is not None]
+        self._unsettled_fp8 = [st for st in self._fp8_states if st.scale is not None and not st.settled]
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -337,7 +339,11 @@ class MegatronCoreEngine(MegatronEngine):
         for r in self._grad_resets:
             r.reset()
         self.optimizer.zero_grad()
-        collected = self._run_schedule(micro_batches, forward_only=False)
+        cache_fp8_weights(self._fp8_states)
+        try:
+            collected = self._run_schedule(micro_batches, forward_only=False)
+        finally:
+            drop_fp8_weight_cache(self._fp8_states)
         if self.clip_on_device:
             # the norm and the skip flag stay on the device (read when asked); the LR schedule moves on
             # as mcore's does under bf16, where a step is never reported skipped

@@ -46,10 +46,20 @@ the second operand's columns multiples of 16, scales fp32 reciprocal ("dequantiz
 tensor, or [M, 1] and [1, N] per row; e5m2 x e5m2 is not a cuBLAS FP8 GEMM, which no GEMM here asks for.
 A weight gradient over a token count that is not a multiple of 16 is computed in bf16.
 
-The weight gradient is returned as the weight's `.grad` (megatron-core's DDP hook adds it into the fp32
-main_grad): `attach_fp8` clears each FP8 linear's `gradient_accumulation_fusion`, so that the engine zeroes its
-main_grad (engine/grad_buffers.py marks only fused linears as written by their first GEMM) and compiled layers
-never run it as compiled_linear ops (layers/linear._as_ops).
+Per training step the CUDA engine quantizes each FP8 linear's weight once (`cache_weights`, TE's
+`is_first_microbatch`): its forward copy and its transposed copy for the input gradient, which every micro-batch's
+GEMMs read; forwards outside a training step quantize the weight themselves. The input's FP8 copy is saved for
+the weight gradient already transposed ([in, tokens], as `_scaled_mm` takes it), and the output gradient's is
+transposed where it is cast: in a compiled layer each cast and its transpose are one kernel. The forward GEMM
+accumulates fast (TE's and torchao's default there), the backward GEMMs do not.
+
+With `gradient_accumulation_fusion` (the engine's default) the weight gradient goes into the fp32 main_grad inside
+the backward (`_wgrad_into_main_grad`, an opaque op), as megatron-core's fused linear does: the step's first
+micro-batch's FP8 GEMM writes main_grad directly in fp32 (engine/grad_buffers.py leaves those unzeroed,
+`write_first`); `_scaled_mm` cannot accumulate (no beta), so later micro-batches add its bf16 result, as DDP's hook
+added `.grad` before. A bf16 weight gradient (rowwise, `fp8_wgrad=False`) is layers/wgrad.py's fused GEMM. Without
+a main_grad (outside the engine) the gradient is returned as `.grad`. Compiled layers never run FP8 linears as
+compiled_linear ops (layers/linear._as_ops).
 """
 
 from __future__ import annotations
@@ -96,8 +106,11 @@ class FP8State:
     """One linear's recipe and, for delayed scaling, its amax histories and current scales (rows INPUT, WEIGHT,
     GRAD), initialized as TE's are: histories zero, scales one."""
 
-    def __init__(self, recipe: FP8Recipe, device):
+    def __init__(self, recipe: FP8Recipe, device, weight: Optional[torch.Tensor] = None):
         self.recipe = recipe
+        # the linear's weight (for `cache_weights`), and its FP8 copies while a training step runs
+        self.weight = weight
+        self.cached: Optional[Tuple[torch.Tensor, ...]] = None
         self.history: Optional[torch.Tensor] = None
         self.scale: Optional[torch.Tensor] = None
         # delayed: every row set by a use (`settle`, after a training step): the casts then take the state's
@@ -213,40 +226,109 @@ def _scaled(x, recipe: FP8Recipe, dtype, scale, row: int, settled: bool = False)
     return (*current_scaling(x, dtype, recipe.margin), None)
 
 
-def _col_major(q: torch.Tensor) -> torch.Tensor:
-    """q [R, C] as the column-major second operand of _scaled_mm (same shape, transposed storage)."""
-    return q.t().contiguous().t()
+def _wgrad_into_main_grad(gq_t: torch.Tensor, x_t: torch.Tensor, gs: torch.Tensor, xs: torch.Tensor,
+                          weight: torch.Tensor, fp8: bool) -> torch.Tensor:
+    """weight.main_grad += the weight gradient, inside the op: the FP8 GEMM (operands transposed as
+    `_scaled_mm` takes them: gq_t [out, T], x_t [in, T]) or, with `fp8` False, the bf16 one (then gq_t is the
+    gradient [T, out] and x_t the input [T, in], layers/wgrad.py's fused GEMM). `_scaled_mm` cannot accumulate
+    (no beta), so the FP8 GEMM writes main_grad directly (fp32 out) only where the step's first GEMM may
+    overwrite it (`write_first`, engine/grad_buffers.py); later micro-batches add its bf16 result, as DDP's hook
+    would have. Returns the placeholder gradient that the hook skips (`grad_added_to_main_grad`)."""
+    from .compiled_linear import in_inductor_codegen
+    from .wgrad import wgrad_gemm_accum_fp16, wgrad_gemm_accum_fp32
+
+    if in_inductor_codegen():
+        return torch.empty_like(weight)
+    main_grad = weight.main_grad
+    if not fp8:
+        (wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32 else wgrad_gemm_accum_fp16)(x_t, gq_t, main_grad)
+    elif getattr(main_grad, "write_first", False):
+        main_grad.write_first = False
+        torch._scaled_mm(gq_t, x_t.t(), gs, xs, out_dtype=main_grad.dtype, out=main_grad)
+    else:
+        main_grad.add_(torch._scaled_mm(gq_t, x_t.t(), gs, xs, out_dtype=weight.dtype))
+    weight.grad_added_to_main_grad = True
+    # a weight shared with the embedding (tied) also gets the lookup's gradient, which the hook adds
+    return torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
+
+
+# an opaque op (a side effect on main_grad that a compiled graph must call as it is; see compiled_linear.py)
+_wgrad_op = define_op(
+    "fp8_wgrad_into_main_grad(Tensor gq_t, Tensor x_t, Tensor gs, Tensor xs, Tensor weight, bool fp8) -> Tensor",
+    _wgrad_into_main_grad,
+    lambda gq_t, x_t, gs, xs, weight, fp8: torch.empty_like(weight, memory_format=torch.contiguous_format))
+
+
+def quantize_weight(weight: torch.Tensor, recipe: FP8Recipe, scales: Optional[torch.Tensor] = None,
+                    settled: bool = False, for_dgrad: bool = True):
+    """The weight as the GEMMs take it: (w [out, in] and its dequantize scale for the forward, w_t [in, out]
+    contiguous and its scale for the input gradient (None without `for_dgrad`; the scale None where it is the
+    forward's), the amax for delayed scaling or None). Tensor-wise recipes quantize once and transpose; rowwise
+    scales the forward's copy per output row and the input gradient's per input column (the contraction's side
+    each time)."""
+    if recipe.recipe == "rowwise":
+        wq, ws = rowwise_scaling(weight, E4M3, recipe.margin)
+        if not for_dgrad:
+            return wq, ws.t(), None, None, None
+        wtq, wts = rowwise_scaling(weight.t().contiguous(), E4M3, recipe.margin)
+        return wq, ws.t(), wtq, wts.t(), None
+    wq, ws, amax = _scaled(weight, recipe, E4M3, scales, WEIGHT, settled)
+    # w_t's scale is w's: None, as autograd.Function.apply takes no tensor twice under torch.compile
+    return wq, ws, (wq.t().contiguous() if for_dgrad else None), None, amax
 
 
 class _FP8Linear(torch.autograd.Function):
-    """y = x W^T with FP8 GEMMs in both directions (see the module docstring); out in x's dtype."""
+    """y = x W^T with FP8 GEMMs in both directions (see the module docstring); out in x's dtype.
+
+    `need_dx` / `need_dw` say which gradients the backward will compute (decided outside, where grad mode is
+    known): the forward then saves only what those need, already laid out for their GEMMs (the input's FP8
+    copy transposed, [in, T], in the kernel that casts it). `cw, cws, cwt, cwts`: the weight quantized once for
+    the step (`cache_weights`: w, its scale, w_t, its scale), or None. `fuse_wgrad`: the weight gradient goes
+    into main_grad inside the backward (`_wgrad_into_main_grad`)."""
 
     @staticmethod
-    def forward(ctx, x, weight, history, scale, recipe: FP8Recipe, settled: bool):
+    def forward(ctx, x, weight, history, scale, recipe: FP8Recipe, settled: bool, need_dx: bool, need_dw: bool,
+                fuse_wgrad: bool, cw, cws, cwt, cwts):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         out_dtype = x.dtype
+        scales = None
+        if scale is not None:
+            scales = _settled_snapshot(scale) if settled else _snapshot(scale, history)
         if recipe.recipe == "rowwise":
             xq, xs = rowwise_scaling(x2, E4M3, recipe.margin)
-            wq, ws = rowwise_scaling(weight, E4M3, recipe.margin)
-            y = torch._scaled_mm(xq, wq.t(), xs, ws.t(), out_dtype=out_dtype)
-            ctx.save_for_backward(x2, weight)
+            xs_mm, x_amax = xs, None
         else:
-            scales = None
-            if scale is not None:
-                scales = _settled_snapshot(scale) if settled else _snapshot(scale, history)
             xq, xs, x_amax = _scaled(x2, recipe, E4M3, scales, INPUT, settled)
-            wq, ws, w_amax = _scaled(weight, recipe, E4M3, scales, WEIGHT, settled)
-            y = torch._scaled_mm(xq, wq.t(), xs, ws, out_dtype=out_dtype)
-            # the weight gradient reads the input again: in FP8 (a quarter of bf16's memory), or in bf16 when
-            # it is computed in bf16 (fp8_wgrad=False, or a token count that FP8 GEMMs cannot take)
-            ctx.fp8_wgrad = recipe.wgrad and x2.shape[0] % 16 == 0
+            xs_mm = xs
+        cached = cw is not None
+        if cached:
+            wq, ws, wt, wts = cw, cws, cwt, cwts
+            w_amax = None  # recorded when the step's copy was made
+        else:
+            wq, ws, wt, wts, w_amax = quantize_weight(weight, recipe, scales, settled, for_dgrad=need_dx)
+        if wts is None:
+            wts = ws
+        # the forward GEMM accumulates fast (TE's and torchao's default for it); the backward GEMMs do not
+        y = torch._scaled_mm(xq, wq.t(), xs_mm, ws, out_dtype=out_dtype, use_fast_accum=xq.is_cuda)
+        # rowwise keeps its weight gradient in bf16; so does a token count that FP8 GEMMs cannot take
+        ctx.fp8_wgrad = recipe.recipe != "rowwise" and recipe.wgrad and x2.shape[0] % 16 == 0
+        saved_x = None
+        if need_dw:
+            # the weight gradient reads the input again: in FP8 (a quarter of fp32's memory), transposed here
+            saved_x = xq.t().contiguous() if ctx.fp8_wgrad else x2
+        empty = x2.new_empty(0)
+        amaxes = ()
+        if recipe.recipe == "delayed":
             # delayed: the output gradient is quantized with the scale as it stood at this forward, eager and
             # compiled alike (a compiled backward sees its inputs as of the forward; see the module docstring)
-            amaxes = () if x_amax is None else (x_amax, w_amax, scales[GRAD])
-            ctx.save_for_backward(xq if ctx.fp8_wgrad else x2, xs, wq, ws, *amaxes)
+            amaxes = (x_amax, w_amax if w_amax is not None else empty, scales[GRAD])
+        ctx.save_for_backward(saved_x if saved_x is not None else empty, xs if ctx.fp8_wgrad else empty,
+                              wt if need_dx else empty, wts if need_dx else empty,
+                              weight if fuse_wgrad and need_dw else empty, *amaxes)
         ctx.recipe, ctx.history, ctx.scale, ctx.shape, ctx.weight_dtype = recipe, history, scale, shape, weight.dtype
-        ctx.settled = settled
+        ctx.settled, ctx.need_dx, ctx.need_dw, ctx.fuse_wgrad = settled, need_dx, need_dw, fuse_wgrad and need_dw
+        ctx.weight_row = not cached
         return y.reshape(*shape[:-1], y.shape[-1])
 
     @staticmethod
@@ -254,38 +336,74 @@ class _FP8Linear(torch.autograd.Function):
         recipe = ctx.recipe
         g2 = grad.reshape(-1, grad.shape[-1])
         gdtype = recipe.grad_dtype
-        need_wgrad = ctx.needs_input_grad[1]
+        saved_x, xs, wt, wts, weight, *amaxes = ctx.saved_tensors
         if recipe.recipe == "rowwise":
-            x2, weight = ctx.saved_tensors
-            gq, gs = rowwise_scaling(g2, gdtype, recipe.margin)
-            # the contraction runs over the output features: the weight scaled per input column
-            wtq, wts = rowwise_scaling(weight.t().contiguous(), E4M3, recipe.margin)
-            dx = torch._scaled_mm(gq, wtq.t(), gs, wts.t(), out_dtype=x2.dtype)
-            dw = (g2.t() @ x2.to(g2.dtype)).to(weight.dtype) if need_wgrad else None
+            gq, gs = rowwise_scaling(g2, gdtype, recipe.margin) if ctx.need_dx else (None, None)
+            g_amax = None
+        elif amaxes:
+            gq, gs, g_amax = delayed_scaling(g2, amaxes[2], gdtype, recipe.margin, ctx.settled)
         else:
-            saved, xs, wq, ws, *amaxes = ctx.saved_tensors
-            if amaxes:
-                gq, gs, g_amax = delayed_scaling(g2, amaxes[2], gdtype, recipe.margin, ctx.settled)
+            gq, gs, g_amax = _scaled(g2, recipe, gdtype, None, GRAD)
+        dx = torch._scaled_mm(gq, wt.t(), gs, wts, out_dtype=grad.dtype).reshape(ctx.shape) if ctx.need_dx else None
+        dw = None
+        if ctx.need_dw:
+            if ctx.fp8_wgrad:
+                # the gradient's FP8 copy transposed in the kernel that casts it (compiled)
+                gq_t = gq.t().contiguous()
+                dw = (_wgrad_op(gq_t, saved_x, gs, xs, weight, True) if ctx.fuse_wgrad else
+                      torch._scaled_mm(gq_t, saved_x.t(), gs, xs, out_dtype=ctx.weight_dtype))
+            elif ctx.fuse_wgrad:
+                dw = _wgrad_op(g2, saved_x.to(g2.dtype), g2.new_empty(0), g2.new_empty(0), weight, False)
             else:
-                gq, gs, g_amax = _scaled(g2, recipe, gdtype, None, GRAD)
-            out_dtype = grad.dtype
-            dx = torch._scaled_mm(gq, _col_major(wq), gs, ws, out_dtype=out_dtype)
-            dw = None
-            if need_wgrad and ctx.fp8_wgrad:
-                dw = torch._scaled_mm(gq.t().contiguous(), _col_major(saved), gs, xs, out_dtype=ctx.weight_dtype)
-            elif need_wgrad:
-                dw = (g2.t() @ saved.to(g2.dtype)).to(ctx.weight_dtype)
-            if amaxes:
-                # the whole use's update, after its last GEMM (see "Delayed scaling" in the module docstring)
-                for row, amax, dtype in ((INPUT, amaxes[0], E4M3), (WEIGHT, amaxes[1], E4M3), (GRAD, g_amax, gdtype)):
-                    delayed_update(ctx.history[row], ctx.scale[row], amax, dtype, recipe.margin,
-                                   recipe.amax_compute_algo)
-        return dx.reshape(ctx.shape), dw, None, None, None, None
+                dw = (g2.t() @ saved_x.to(g2.dtype)).to(ctx.weight_dtype)
+        if amaxes:
+            # the whole use's update, after its last GEMM (see "Delayed scaling" in the module docstring); the
+            # weight's row only when this use quantized the weight itself (a step's cached copy recorded it)
+            rows = ((INPUT, amaxes[0], E4M3), (GRAD, g_amax, gdtype))
+            if ctx.weight_row:
+                rows += ((WEIGHT, amaxes[1], E4M3),)
+            for row, amax, dtype in rows:
+                delayed_update(ctx.history[row], ctx.scale[row], amax, dtype, recipe.margin,
+                               recipe.amax_compute_algo)
+        return dx, dw, None, None, None, None, None, None, None, None, None, None, None
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State) -> torch.Tensor:
-    """x @ weight.T in FP8 by `state`'s recipe (no bias, no collectives: see `fp8_forward`)."""
-    return _FP8Linear.apply(x, weight, state.history, state.scale, state.recipe, state.settled)
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State, fuse_wgrad: bool = False) -> torch.Tensor:
+    """x @ weight.T in FP8 by `state`'s recipe (no bias, no collectives: see `fp8_forward`). `fuse_wgrad`: the
+    weight gradient goes into `weight.main_grad` (which it must have) instead of `.grad`."""
+    grad = torch.is_grad_enabled()
+    need_dx, need_dw = grad and x.requires_grad, grad and weight.requires_grad
+    if not (need_dx or need_dw):
+        fuse_wgrad = False
+    cached = state.cached or (None, None, None, None)
+    return _FP8Linear.apply(x, weight, state.history, state.scale, state.recipe, state.settled, need_dx, need_dw,
+                            fuse_wgrad, *cached)
+
+
+def cache_weights(states: List[FP8State]) -> None:
+    """Quantize every FP8 linear's weight once for a training step (TE's `is_first_microbatch`): its forward and
+    input-gradient copies and their scales, which each micro-batch's GEMMs then read instead of casting and
+    transposing the weight again. Delayed scaling records the weight's amax here, once a step (as TE does with
+    cached weights), with the scale the earlier steps gave. The engine calls it before the step's first
+    micro-batch and `drop_weight_cache` after the last: the weights change only in the optimizer's step."""
+    with torch.no_grad():
+        for st in states:
+            weight = st.weight
+            scales = None
+            if st.scale is not None:
+                scales = st.scale if st.settled else pending_scales(st.scale, st.history)
+            wq, ws, wt, wts, amax = quantize_weight(weight, st.recipe, scales, st.settled)
+            st.cached = (wq, ws, wt, wts)
+            if amax is not None:
+                delayed_update(st.history[WEIGHT], st.scale[WEIGHT], amax, E4M3, st.recipe.margin,
+                               st.recipe.amax_compute_algo)
+
+
+def drop_weight_cache(states: List[FP8State]) -> None:
+    """Forget the step's quantized weights (their memory returns to the allocator): a forward outside a training
+    step (evaluation, generation, log-probs after the optimizer moved the weights) quantizes them itself."""
+    for st in states:
+        st.cached = None
 
 
 def state_of(layer) -> Optional[FP8State]:
@@ -309,7 +427,10 @@ def fp8_forward(layer, input: torch.Tensor, weight: torch.Tensor, kwargs) -> Opt
         from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
 
         input = copy_to_tensor_model_parallel_region(input, group=group)
-    out = fp8_linear(input, weight, state)
+    # the weight gradient into main_grad as megatron-core's fused linear does (gradient_accumulation_fusion), where
+    # the weight has one (DDP's buffer)
+    fuse = bool(kwargs.get("gradient_accumulation_fusion")) and hasattr(weight, "main_grad")
+    out = fp8_linear(input, weight, state, fuse_wgrad=fuse)
     bias = kwargs.get("bias")
     return out + bias if bias is not None else out
 
@@ -372,8 +493,7 @@ def attach_fp8(modules: Iterable[torch.nn.Module], plugin) -> List[str]:
             for linear in _fp8_linears(layer):
                 if not fits_fp8(linear):
                     continue
-                setattr(linear, ATTR, FP8State(recipe, linear.weight.device))
-                linear.gradient_accumulation_fusion = False
+                setattr(linear, ATTR, FP8State(recipe, linear.weight.device, linear.weight))
                 names.append(f"decoder.layers.{layer.layer_number - 1}." + next(
                     n for n, m in layer.named_modules() if m is linear))
     meant = [layer for m in modules if getattr(m, "decoder", None) is not None for layer in m.decoder.layers

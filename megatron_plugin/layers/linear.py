@@ -20,7 +20,8 @@ def _outside_compiled_graph(fn, *args, **kwargs):
 def _as_ops(layer) -> bool:
     """Whether this linear runs as custom ops here: inside a compiled layer, when the weight gradient
     accumulates into main_grad (`gradient_accumulation_fusion`); see `compiled_linear.py`."""
-    # an FP8 linear (layers/fp8.py) returns its weight gradient as .grad: it is traced, or with TP > 1 eager
+    # an FP8 linear (layers/fp8.py) is its own autograd function (its weight gradient into main_grad by its own
+    # op): it is traced, or with TP > 1 eager
     return (torch.compiler.is_compiling() and layer.config.gradient_accumulation_fusion
             and fp8_state_of(layer) is None)
 

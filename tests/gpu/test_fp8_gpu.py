@@ -37,7 +37,10 @@ def _train(family, fp8, recipe, compiled):
     states = [state_of(m) for m in engine.chunks.modules() if state_of(m) is not None]
     # delayed scaling: the engine settles every state after the first step (its casts skip the first-use rule)
     settled = [st.settled for st in states if st.scale is not None]
-    return {"losses": losses, "fp8_linears": fp8_linears, "settled": settled}
+    # each step's quantized weights are dropped after it; the weight gradients went into main_grad in the backward
+    cached = [st.cached is not None for st in states]
+    fused = [bool(getattr(st.weight, "grad_added_to_main_grad", False)) for st in states]
+    return {"losses": losses, "fp8_linears": fp8_linears, "settled": settled, "cached": cached, "fused": fused}
 
 
 _BF16 = {}
@@ -68,3 +71,4 @@ def test_fp8_tracks_bf16(family, recipe, compiled):
         assert abs(x - y) / y < 0.05, (i, x, y)
     assert a != b  # FP8 GEMMs ran (bf16 would give the reference's losses)
     assert got["settled"] == ([True] * 8 if recipe == "delayed" else []), got["settled"]
+    assert got["cached"] == [False] * 8 and got["fused"] == [True] * 8, got
