@@ -287,6 +287,10 @@ class MegatronCoreEngine(MegatronEngine):
         # FP8 linears' states: their weights quantized once a training step (layers/fp8.cache_weights); the
         # delayed-scaling ones not yet set by a use settled after training steps (layers/fp8.settle)
         self._fp8_states = [st for st in (fp8_state_of(m) for c in chunks for m in c.modules()) if st is not None]
+        # the step's FP8 weight copies compiled with the layers' backend (layers/fp8.cache_weights)
+        backend = (compile_kwargs or {}).get("backend", "inductor")
+        self._fp8_backend = (str(backend.value).lower() if hasattr(backend, "value") else backend
+                             ) if compile_kwargs is not None else None
         self._unsettled_fp8 = [st for st in self._fp8_states if st.scale is not None and not st.settled]
 
     def train(self, mode: bool = True):
@@ -339,7 +343,7 @@ class MegatronCoreEngine(MegatronEngine):
         for r in self._grad_resets:
             r.reset()
         self.optimizer.zero_grad()
-        cache_fp8_weights(self._fp8_states)
+        cache_fp8_weights(self._fp8_states, compiled=self._fp8_backend)
         try:
             collected = self._run_schedule(micro_batches, forward_only=False)
         finally:

@@ -380,23 +380,39 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, state: FP8State, fuse_wgra
                             fuse_wgrad, *cached)
 
 
-def cache_weights(states: List[FP8State]) -> None:
+def _step_copy(weight: torch.Tensor, recipe: FP8Recipe, scale: Optional[torch.Tensor],
+               history: Optional[torch.Tensor], settled: bool):
+    """One weight's copies for a step (`quantize_weight`); delayed scaling quantizes with the scale the earlier
+    steps gave (or, unset, the weight's own amax) and then records this amax in the weight's row."""
+    scales = None
+    if scale is not None:
+        scales = scale if settled else pending_scales(scale, history)
+    wq, ws, wt, wts, amax = quantize_weight(weight, recipe, scales, settled)
+    if amax is not None:
+        delayed_update(history[WEIGHT], scale[WEIGHT], amax, E4M3, recipe.margin, recipe.amax_compute_algo)
+    return wq, ws, wt, wts
+
+
+_compiled_step_copy = {}  # by torch.compile backend
+
+
+def cache_weights(states: List[FP8State], compiled=None) -> None:
     """Quantize every FP8 linear's weight once for a training step (TE's `is_first_microbatch`): its forward and
     input-gradient copies and their scales, which each micro-batch's GEMMs then read instead of casting and
     transposing the weight again. Delayed scaling records the weight's amax here, once a step (as TE does with
     cached weights), with the scale the earlier steps gave. The engine calls it before the step's first
-    micro-batch and `drop_weight_cache` after the last: the weights change only in the optimizer's step."""
+    micro-batch and `drop_weight_cache` after the last: the weights change only in the optimizer's step.
+    `compiled`: a torch.compile backend ("inductor"; the engine's when it compiles the layers) or None (eager):
+    eager, the cast is four passes over every weight (to fp32, scale, clamp, to FP8) and the scale's update a
+    dozen launches; compiled, one kernel reads the weight for its amax and one writes both copies."""
+    fn = _step_copy
+    if compiled:
+        if compiled not in _compiled_step_copy:
+            _compiled_step_copy[compiled] = torch.compile(_step_copy, fullgraph=True, backend=compiled)
+        fn = _compiled_step_copy[compiled]
     with torch.no_grad():
         for st in states:
-            weight = st.weight
-            scales = None
-            if st.scale is not None:
-                scales = st.scale if st.settled else pending_scales(st.scale, st.history)
-            wq, ws, wt, wts, amax = quantize_weight(weight, st.recipe, scales, st.settled)
-            st.cached = (wq, ws, wt, wts)
-            if amax is not None:
-                delayed_update(st.history[WEIGHT], st.scale[WEIGHT], amax, E4M3, st.recipe.margin,
-                               st.recipe.amax_compute_algo)
+            st.cached = fn(st.weight, st.recipe, st.scale, st.history, st.settled)
 
 
 def drop_weight_cache(states: List[FP8State]) -> None:
