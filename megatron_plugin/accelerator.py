@@ -244,6 +244,7 @@ class Accelerator(accelerate.Accelerator):
         if self._megatron is not None and getattr(self, "_engine", None) is not None:
             if getattr(self._engine, "tensorboard", None) is not None:
                 self._engine.tensorboard.close()
+            self._engine.manual_gc.stop()  # manual_gc: Python's collector back on
             from megatron.core import parallel_state
 
             self.wait_for_everyone()

@@ -223,7 +223,7 @@ def build(spec: RunSpec, inputs: Inputs, timeout=None, lora: Optional[LoraRun] =
     layout = start(spec.plugin, spec.num_layers, timeout_minutes=minutes)
     chunks = build_chunks(spec, inputs, lora)
     hook_embeddings_for_recompute(chunks, spec.plugin)  # a frozen embedding under recompute (engine/recompute.py)
-    # before the engine: its gradient-buffer reset reads which linears fuse their weight gradient (FP8 ones don't)
+    # before the engine, which collects the FP8 states (their weights quantized once a step)
     attach_fp8([c.module for c in chunks], spec.plugin)
     iterators = indexed_iterators(spec, inputs, layout)
     return build_engine(spec, inputs, chunks, layout, lora), layout, iterators

@@ -33,22 +33,27 @@ def _run(manual_gc, interval, at_eval):
         for _ in range(200_000):
             a = []
             a.append(a)
+    step[0] = "log_probs"  # compute_log_probs switches to eval() and back: not an evaluation's edges
+    engine.compute_log_probs(next(batches))
     step[0] = "eval"
     engine.eval()
     step[0] = "train"
     engine.train()
     enabled_after = gc.isenabled()
+    step[0] = 0  # what end_training itself collects is not counted
+    acc.end_training()
+    enabled_at_end = gc.isenabled()
     gc.callbacks.remove(on_gc)
     gc.enable()  # the worker process serves later tests
-    # collections during prepare (step 0) are prepare's own
-    return dict(enabled_before=enabled_before, enabled_after=enabled_after, full=[s for s in full if s != 0],
-                young=[s for s in young if s != 0], losses=losses)
+    # collections during prepare and end_training (step 0) are theirs
+    return dict(enabled_before=enabled_before, enabled_after=enabled_after, enabled_at_end=enabled_at_end,
+                full=[s for s in full if s != 0], young=[s for s in young if s != 0], losses=losses)
 
 
 @pytest.mark.parametrize("interval,at_eval", [(2, True), (0, False)])
 def test_manual_gc_collects_at_the_chosen_points_only(interval, at_eval):
     (got,) = run_on_ranks(_run, 1, True, interval, at_eval)
-    assert got["enabled_before"] and not got["enabled_after"]
+    assert got["enabled_before"] and not got["enabled_after"] and got["enabled_at_end"]  # end_training: back on
     # the first step's own collection, then every `interval` steps (the step counted after it), then eval's two
     want = [1] + [i for i in range(1, 5) if interval and i % interval == 0] + (["eval", "train"] if at_eval else [])
     assert got["full"] == want and got["young"] == [], got

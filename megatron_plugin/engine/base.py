@@ -186,6 +186,7 @@ class MegatronEngine(torch.nn.Module):
         self.last_step_skipped = True
         if self.training:
             self.iteration += 1
+            self.manual_gc.after_train_step(self.iteration)
         nan = torch.full((), float("nan"), device=self.device)
         self.metrics = {}
         return self._output(cls, nan, None, {})

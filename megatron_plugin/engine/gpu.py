@@ -343,8 +343,8 @@ class MegatronCoreEngine(MegatronEngine):
         for r in self._grad_resets:
             r.reset()
         self.optimizer.zero_grad()
-        cache_fp8_weights(self._fp8_states, compiled=self._fp8_backend)
         try:
+            cache_fp8_weights(self._fp8_states, compiled=self._fp8_backend)
             collected = self._run_schedule(micro_batches, forward_only=False)
         finally:
             drop_fp8_weight_cache(self._fp8_states)

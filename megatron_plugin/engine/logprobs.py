@@ -87,12 +87,13 @@ class LogProbs:
         check_same_shapes(engine, micro_batches, step, "compute_log_probs(batch)")
         forward_step = log_prob_forward_step(step, engine.model.hf_config.vocab_size, temperature, entropy)
         was_training = engine.training
-        engine.train(False)
-        try:
-            with engine.post_training.busy(), engine.rng.active(), torch.no_grad():
-                collected = engine.run_forward_only(micro_batches, forward_step, step)
-        finally:
-            engine.train(was_training)
+        with engine.manual_gc.quiet():
+            engine.train(False)
+            try:
+                with engine.post_training.busy(), engine.rng.active(), torch.no_grad():
+                    collected = engine.run_forward_only(micro_batches, forward_step, step)
+            finally:
+                engine.train(was_training)
         log_probs = engine.gather_rows(collected, "log_probs")
         return (log_probs, engine.gather_rows(collected, "entropy")) if entropy else log_probs
 

@@ -10,6 +10,7 @@ Written here because accelerate has no such switch and Megatron-LM's lives in it
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 
@@ -19,6 +20,7 @@ class ManualGC:
         self.interval = int(getattr(plugin, "manual_gc_interval", 0) or 0)
         self.at_eval = bool(getattr(plugin, "manual_gc_eval", True))
         self.started = False
+        self._quiet = 0
 
     def before_train_step(self) -> None:
         """At the first training step: the threshold collector off, and one collection (Megatron-LM's start)."""
@@ -33,5 +35,21 @@ class ManualGC:
 
     def mode_changed(self) -> None:
         """The model moved between train() and eval(): where a script's evaluation starts or ends."""
-        if self.started and self.at_eval:
+        if self.started and self.at_eval and not self._quiet:
             gc.collect()
+
+    @contextlib.contextmanager
+    def quiet(self):
+        """Mode switches of the engine's own (compute_log_probs runs in eval mode and switches back): not an
+        evaluation's start or end, so no collection."""
+        self._quiet += 1
+        try:
+            yield
+        finally:
+            self._quiet -= 1
+
+    def stop(self) -> None:
+        """The threshold collector back on (the run has ended: `Accelerator.end_training`)."""
+        if self.started:
+            gc.enable()
+            self.started = False

@@ -408,7 +408,11 @@ def cache_weights(states: List[FP8State], compiled=None) -> None:
     fn = _step_copy
     if compiled:
         if compiled not in _compiled_step_copy:
-            _compiled_step_copy[compiled] = torch.compile(_step_copy, fullgraph=True, backend=compiled)
+            # the delayed update writes the state in place: Inductor's C++ wrapper (process-wide when another run
+            # set it) would run the graph once more while compiling it, updating the history twice
+            options = {"cpp_wrapper": False} if compiled == "inductor" else None
+            _compiled_step_copy[compiled] = torch.compile(_step_copy, fullgraph=True, backend=compiled,
+                                                          options=options)
         fn = _compiled_step_copy[compiled]
     with torch.no_grad():
         for st in states:
