@@ -166,6 +166,7 @@ def build_step(args):
                                   gradient_accumulation_fusion=False if args.no_wgrad_fusion else (True if args.wgrad_fusion else None),
                                   torch_compile=args.mode == "megatron_compile",
                                   fp8=args.fp8 or None, fp8_recipe=args.fp8_recipe,
+                                  first_last_layers_bf16=not args.fp8_all_layers,
                                   manual_gc=args.manual_gc is not None, manual_gc_interval=args.manual_gc or 0)
         dynamo = {}
         if args.compile_mode and args.mode == "megatron_compile":  # through accelerate's knob, as a user sets it
@@ -243,7 +244,7 @@ def measure(args):
     if args.lora_r:
         variant += f" lora r={args.lora_r}"
     if args.fp8 and args.mode.startswith("megatron"):
-        variant += f" fp8={args.fp8}/{args.fp8_recipe}"
+        variant += f" fp8={args.fp8}/{args.fp8_recipe}" + (" all layers" if args.fp8_all_layers else "")
     if args.manual_gc is not None and args.mode.startswith("megatron"):
         variant += f" manual_gc={args.manual_gc}"
     if args.num_micro > 1:
@@ -267,6 +268,7 @@ def drive(args):
             for key in ("seq", "global_batch", "steps", "warmup", "tp", "pp", "cp", "num_micro", "compile_mode", "lora_r"):
                 cmd += [f"--{key}", str(getattr(args, key))]
             cmd += ["--fp8", args.fp8, "--fp8_recipe", args.fp8_recipe] if args.fp8 else []
+            cmd += ["--fp8_all_layers"] if args.fp8 and args.fp8_all_layers else []
             cmd += ["--manual_gc", str(args.manual_gc)] if args.manual_gc is not None else []
             cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion") if getattr(args, flag)]
             if args.nproc > 1:
@@ -312,6 +314,9 @@ def parser(description=__doc__.splitlines()[0]):
                    help="megatron: MegatronLMPlugin(fp8=...): FP8 GEMMs in the transformer layers (SM >= 8.9)")
     p.add_argument("--fp8_recipe", default="delayed", choices=["delayed", "tensorwise", "rowwise"],
                    help="megatron: MegatronLMPlugin(fp8_recipe=...), with --fp8")
+    p.add_argument("--fp8_all_layers", action="store_true",
+                   help="megatron, with --fp8: every transformer layer in FP8 (first_last_layers_bf16=False, "
+                        "Megatron-LM's default)")
     p.add_argument("--manual_gc", type=int, default=None, metavar="N",
                    help="megatron: MegatronLMPlugin(manual_gc=True, manual_gc_interval=N): Python's collector off, "
                         "a collection every N steps (0: none between steps)")
