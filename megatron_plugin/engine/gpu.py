@@ -194,6 +194,13 @@ def _direct_grad_handover(optimizer) -> None:
         opt._copy_model_grads_to_main_grads = handover
 
 
+def compile_backend(compile_kwargs: dict):
+    """The torch.compile backend of the layers: its name (accelerate's DynamoBackend as torch's lower-case name)
+    or the callable given."""
+    backend = compile_kwargs.get("backend", "inductor")
+    return str(backend.value).lower() if hasattr(backend, "value") else backend
+
+
 def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
     """Whether this compiled layer wants Inductor's C++ wrapper: any transformer layer without collectives
     inside it (TP, CP and expert parallelism all 1), unless the user chose a mode, options or another backend.
@@ -203,8 +210,7 @@ def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
     The wrapper runs each graph once while compiling it (on the call's inputs, to tune its kernels): our
     side-effect ops skip that run (`compiled_linear.in_inductor_codegen`), but a collective in the graph (TP's
     linears as ops, CP's key/value gather, expert dispatch) would run an extra time on this rank only."""
-    backend = compile_kwargs.get("backend", "inductor")
-    if (str(getattr(backend, "value", backend)).lower() != "inductor" or compile_kwargs.get("mode") not in (None, "default")
+    if (str(compile_backend(compile_kwargs)).lower() != "inductor" or compile_kwargs.get("mode") not in (None, "default")
             or compile_kwargs.get("options")):
         return False
     moe = [m for m in layer.modules() if isinstance(m, MoELayer)]
@@ -288,9 +294,7 @@ class MegatronCoreEngine(MegatronEngine):
         # delayed-scaling ones not yet set by a use settled after training steps (layers/fp8.settle)
         self._fp8_states = [st for st in (fp8_state_of(m) for c in chunks for m in c.modules()) if st is not None]
         # the step's FP8 weight copies compiled with the layers' backend (layers/fp8.cache_weights)
-        backend = (compile_kwargs or {}).get("backend", "inductor")
-        self._fp8_backend = (str(backend.value).lower() if hasattr(backend, "value") else backend
-                             ) if compile_kwargs is not None else None
+        self._fp8_backend = compile_backend(compile_kwargs) if compile_kwargs is not None else None
         self._unsettled_fp8 = [st for st in self._fp8_states if st.scale is not None and not st.settled]
 
     def train(self, mode: bool = True):
