@@ -241,6 +241,16 @@ def test_token_count_not_a_multiple_of_16_takes_the_bf16_weight_gradient():
     assert torch.equal(wr.grad, (g2.t() @ x2).bfloat16())
 
 
+@pytest.fixture
+def cpu_fused_wgrad(monkeypatch):
+    """layers/wgrad.py's fused bf16 weight gradient is CUDA's bf16 x bf16 -> fp32 addmm (no CPU kernel): here the
+    same product in fp32, with its write-first rule, where the fused path calls it (compiled_linear)."""
+    from megatron_plugin.layers import compiled_linear, wgrad
+
+    monkeypatch.setattr(compiled_linear, "wgrad_gemm_accum_fp32",
+                        lambda x, g, mg: mg.addmm_(g.t().float(), x.float(), beta=wgrad._beta(mg)))
+
+
 # -- a training step's quantized weights, and the weight gradient into main_grad --------------------------------
 def _step(state, x, w, dys, cache, fuse=False, main_grad=None):
     """One training step of len(dys) micro-batches through one FP8 linear, the weight quantized once for the step
@@ -339,15 +349,12 @@ def test_compiled_step_copies_equal_eager(recipe):
 
 @pytest.mark.parametrize("recipe,wgrad", [("tensorwise", True), ("delayed", True), ("tensorwise", False),
                                           ("rowwise", True)], ids=["tensorwise", "delayed", "bf16_wgrad", "rowwise"])
-def test_weight_gradient_into_main_grad(recipe, wgrad, monkeypatch):
+def test_weight_gradient_into_main_grad(recipe, wgrad, cpu_fused_wgrad):
     """With gradient_accumulation_fusion the weight gradient goes into the fp32 main_grad inside the backward
     (layers/fp8._wgrad_into_main_grad), not through `.grad` and DDP's hook: the step's first GEMM writes main_grad
     whole where the engine left it unzeroed (`write_first`; the FP8 GEMM in fp32, without bf16's rounding),
     later micro-batches add theirs as the hook added `.grad`. The bf16 weight gradient (fp8_wgrad=False,
-    rowwise) is layers/wgrad.py's fused GEMM (its bf16 x bf16 -> fp32 addmm is CUDA's: here the same in fp32)."""
-    from megatron_plugin.layers import wgrad as wg
-
-    monkeypatch.setattr(wg, "wgrad_gemm_accum_fp32", lambda x, g, mg: mg.addmm_(g.t().float(), x.float(), beta=wg._beta(mg)))
+    rowwise) is layers/wgrad.py's fused GEMM (`cpu_fused_wgrad`: the same in fp32 on CPU)."""
     x, w, _ = _data(seed=13)
     dys = [torch.randn(2, 16, 48, generator=torch.Generator().manual_seed(i)).bfloat16() * 1e-2 for i in range(3)]
     r = FP8Recipe(fmt="hybrid", recipe=recipe, amax_history_len=1, wgrad=wgrad)
@@ -446,7 +453,7 @@ class _TwoFused(_Two):
 
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("recipe", RECIPES)
-def test_compiled_cached_weights_and_fused_wgrad_equal_eager(recipe, backend, monkeypatch):
+def test_compiled_cached_weights_and_fused_wgrad_equal_eager(recipe, backend, monkeypatch, cpu_fused_wgrad):
     """The engine's step: weights quantized once (cache_weights), two micro-batches whose weight gradients go into
     main_grad (the first writing it), settled after the first step. Traced (aot_eager, fullgraph) it equals eager
     bit for bit: outputs, input gradients, main_grads, delayed histories and scales. Inductor's fused kernels
@@ -454,11 +461,8 @@ def test_compiled_cached_weights_and_fused_wgrad_equal_eager(recipe, backend, mo
     One graph per variant, none recompiled when the next step brings new cached tensors."""
     from torch._dynamo.utils import counters
 
-    from megatron_plugin.layers import wgrad as wg
     from megatron_plugin.layers.fp8 import cache_weights, drop_weight_cache, settle
 
-    # rowwise's bf16 weight gradient: CUDA's bf16 x bf16 -> fp32 addmm, here in fp32
-    monkeypatch.setattr(wg, "wgrad_gemm_accum_fp32", lambda x, g, mg: mg.addmm_(g.t().float(), x.float(), beta=wg._beta(mg)))
     torch._dynamo.reset()
     counters.clear()
     monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)

@@ -90,22 +90,30 @@ def in_inductor_codegen() -> bool:
     return not isinstance(V.graph, NullHandler)
 
 
-def _accumulate_wgrad(go: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """weight.main_grad += go^T @ x (2-D views); returns the placeholder gradient that DDP's hook then
-    skips (`grad_added_to_main_grad`)."""
+def into_main_grad(weight: torch.Tensor, write) -> torch.Tensor:
+    """`write(main_grad)` adds the weight's gradient into its main_grad (DDP's buffer); returns the placeholder
+    gradient that DDP's hook then skips (`grad_added_to_main_grad`). Also for layers/fp8.py's weight gradient."""
     if in_inductor_codegen():
         return torch.empty_like(weight)
     main_grad = getattr(weight, "main_grad", None)
     if main_grad is None:
         raise RuntimeError("gradient_accumulation_fusion: a fused linear's weight has no main_grad (DDP's buffer)")
-    (wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32 else wgrad_gemm_accum_fp16)(x, go, main_grad)
+    write(main_grad)
     weight.grad_added_to_main_grad = True
     # a weight shared with the embedding (tied) also gets the lookup's gradient, which the hook adds
     return torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
 
 
+def accumulate_wgrad(go: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """weight.main_grad += go^T @ x (2-D views), through `into_main_grad`."""
+    def write(main_grad):
+        (wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32 else wgrad_gemm_accum_fp16)(x, go, main_grad)
+
+    return into_main_grad(weight, write)
+
+
 def _fused_wgrad(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    return _accumulate_wgrad(grad_output.reshape(-1, grad_output.shape[-1]), input.reshape(-1, input.shape[-1]),
+    return accumulate_wgrad(grad_output.reshape(-1, grad_output.shape[-1]), input.reshape(-1, input.shape[-1]),
                              weight)
 
 
@@ -139,7 +147,7 @@ def _linear_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: tor
     if not need_wgrad:  # a frozen weight
         grad_weight = torch.empty_like(weight)
     elif fuse_wgrad:
-        grad_weight = _accumulate_wgrad(go, x, weight)
+        grad_weight = accumulate_wgrad(go, x, weight)
     else:
         grad_weight = go.t() @ x
     grad_bias = go.sum(0) if has_bias else go.new_empty(0)

@@ -70,7 +70,7 @@ from typing import Iterable, List, Optional, Tuple
 
 import torch
 
-from .compiled_linear import define_op
+from .compiled_linear import accumulate_wgrad, define_op, into_main_grad
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 # where a linear keeps its state: a plain attribute, not a submodule, so that it is in no state_dict (HF export,
@@ -234,22 +234,17 @@ def _wgrad_into_main_grad(gq_t: torch.Tensor, x_t: torch.Tensor, gs: torch.Tenso
     (no beta), so the FP8 GEMM writes main_grad directly (fp32 out) only where the step's first GEMM may
     overwrite it (`write_first`, engine/grad_buffers.py); later micro-batches add its bf16 result, as DDP's hook
     would have. Returns the placeholder gradient that the hook skips (`grad_added_to_main_grad`)."""
-    from .compiled_linear import in_inductor_codegen
-    from .wgrad import wgrad_gemm_accum_fp16, wgrad_gemm_accum_fp32
-
-    if in_inductor_codegen():
-        return torch.empty_like(weight)
-    main_grad = weight.main_grad
     if not fp8:
-        (wgrad_gemm_accum_fp32 if main_grad.dtype == torch.float32 else wgrad_gemm_accum_fp16)(x_t, gq_t, main_grad)
-    elif getattr(main_grad, "write_first", False):
-        main_grad.write_first = False
-        torch._scaled_mm(gq_t, x_t.t(), gs, xs, out_dtype=main_grad.dtype, out=main_grad)
-    else:
-        main_grad.add_(torch._scaled_mm(gq_t, x_t.t(), gs, xs, out_dtype=weight.dtype))
-    weight.grad_added_to_main_grad = True
-    # a weight shared with the embedding (tied) also gets the lookup's gradient, which the hook adds
-    return torch.zeros_like(weight) if getattr(weight, "zero_out_wgrad", False) else torch.empty_like(weight)
+        return accumulate_wgrad(gq_t, x_t, weight)
+
+    def write(main_grad):
+        if getattr(main_grad, "write_first", False):
+            main_grad.write_first = False
+            torch._scaled_mm(gq_t, x_t.t(), gs, xs, out_dtype=main_grad.dtype, out=main_grad)
+        else:
+            main_grad.add_(torch._scaled_mm(gq_t, x_t.t(), gs, xs, out_dtype=weight.dtype))
+
+    return into_main_grad(weight, write)
 
 
 # an opaque op (a side effect on main_grad that a compiled graph must call as it is; see compiled_linear.py)
