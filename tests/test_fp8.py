@@ -319,8 +319,9 @@ def test_a_changed_weight_is_quantized_with_the_earlier_steps_scale():
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_compiled_step_copies_equal_eager(recipe):
     """cache_weights through torch.compile (Inductor, as the engine runs it with compiled layers): the same FP8
-    copies, scales and delayed history as eager, bit for bit, over three steps and two weight shapes (the second
-    shape reuses the graph, made dynamic, or compiles once more: never more than twice)."""
+    copies, scales and delayed history as eager, bit for bit, over three steps, five weight shapes of nn.Parameters
+    (whose shapes dynamo would guard as static) and two runs' recipes in one process: one graph per `settled`
+    (delayed scaling's first step and the rest), not one per shape, which hit dynamo's recompile limit on a GPU."""
     from torch._dynamo.utils import counters
 
     from megatron_plugin.layers import fp8
@@ -329,21 +330,22 @@ def test_compiled_step_copies_equal_eager(recipe):
     torch._dynamo.reset()
     fp8._compiled_step_copy.clear()
     counters.clear()
-    r = FP8Recipe(fmt="hybrid", recipe=recipe, amax_history_len=3, amax_compute_algo="max")
     g = torch.Generator().manual_seed(14)
-    shapes = [(48, 64), (96, 32)]
-    eager, compiled = ([FP8State(r, "cpu") for _ in shapes] for _ in range(2))
-    for step in range(3):
-        for i, shape in enumerate(shapes):
-            w = (torch.randn(*shape, generator=g) * 0.05 * (step + 1)).bfloat16()
-            eager[i].weight = compiled[i].weight = w
-        cache_weights(eager)
-        cache_weights(compiled, compiled="inductor")
-        for a, b in zip(eager, compiled):
-            for u, v in zip(a.cached, b.cached):
-                assert (u is None and v is None) or (torch.equal(u.float(), v.float()) and u.dtype == v.dtype), step
-            if recipe == "delayed":
-                assert torch.equal(a.history, b.history) and torch.equal(a.scale, b.scale), step
+    shapes = [(48, 64), (96, 32), (32, 96), (64, 64), (80, 48)]
+    for run in range(2):
+        r = FP8Recipe(fmt="hybrid", recipe=recipe, amax_history_len=3, amax_compute_algo="max")
+        eager, compiled = ([FP8State(r, "cpu") for _ in shapes] for _ in range(2))
+        for step in range(3):
+            for i, shape in enumerate(shapes):
+                w = torch.nn.Parameter((torch.randn(*shape, generator=g) * 0.05 * (step + 1)).bfloat16())
+                eager[i].weight = compiled[i].weight = w
+            cache_weights(eager)
+            cache_weights(compiled, compiled="inductor")
+            for a, b in zip(eager, compiled):
+                for u, v in zip(a.cached, b.cached):
+                    assert (u is None and v is None) or (torch.equal(u.float(), v.float()) and u.dtype == v.dtype)
+                if recipe == "delayed":
+                    assert torch.equal(a.history, b.history) and torch.equal(a.scale, b.scale), (run, step)
     assert counters["stats"]["unique_graphs"] <= 2, counters["stats"]
 
 

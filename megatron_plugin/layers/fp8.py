@@ -411,7 +411,14 @@ def cache_weights(states: List[FP8State], compiled=None) -> None:
         fn = _compiled_step_copy[compiled]
     with torch.no_grad():
         for st in states:
-            st.cached = fn(st.weight, st.recipe, st.scale, st.history, st.settled)
+            weight = st.weight
+            if compiled:
+                # one graph for every weight shape: a Parameter's shape is guarded as static, so each shape (and
+                # each `settled`) would compile anew and a model with four or more shapes hits dynamo's limit
+                weight = weight.detach()
+                torch._dynamo.maybe_mark_dynamic(weight, 0)
+                torch._dynamo.maybe_mark_dynamic(weight, 1)
+            st.cached = fn(weight, st.recipe, st.scale, st.history, st.settled)
 
 
 def drop_weight_cache(states: List[FP8State]) -> None:
