@@ -9,6 +9,8 @@ the same micro-batches.
 """
 
 import contextlib
+import os
+import subprocess
 import time
 
 
@@ -198,3 +200,21 @@ def timed_steps(step, steps, device, events=None):
         return dt, step_ms, torch.cuda.max_memory_allocated(), losses
     step_ms = [round((b - a) * 1e3, 1) for a, b in zip([t0] + ends, ends)]
     return dt, step_ms, None, losses
+
+
+def host_report(setup_s: float) -> dict:
+    """What can make a whole run slower than the next with no slow step to show for it (issue 32's 124M runs
+    minutes apart): the CPU this process ran on and how many it may use, the load, and the GPU's SM clock, power
+    and active throttle reasons just after the timed steps (nvidia-smi; None where it cannot be read)."""
+    report = {"setup_s": round(setup_s, 1), "cpus": len(os.sched_getaffinity(0)), "load1": os.getloadavg()[0]}
+    with contextlib.suppress(OSError, IndexError, ValueError):
+        with open("/proc/self/stat") as f:  # field 39: the CPU it last ran on (after the ")" of the name)
+            report["cpu"] = int(f.read().rsplit(")", 1)[1].split()[36])
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
+                              "--format=csv,noheader,nounits", "-i", str(int(os.environ.get("LOCAL_RANK", "0")))],
+                             capture_output=True, text=True, timeout=10).stdout.strip().split(", ")
+        report.update(sm_mhz=out[0], power_w=out[1], throttle=out[2])
+    except (OSError, subprocess.SubprocessError, IndexError):
+        report.update(sm_mhz=None, power_w=None, throttle=None)
+    return report

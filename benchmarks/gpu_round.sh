@@ -11,11 +11,17 @@
 #   fp8_llama   Llama-1B shape, 4 micro-batches of 2 x 2048: bf16, FP8 delayed, FP8 tensorwise, FP8 delayed in
 #               every layer (Megatron-LM's default; ours keeps the first and last in bf16)        ~8 min
 #   fp8_1p5b    GPT-2 1.5B, one micro-batch of 16 x 1024: bf16, FP8 delayed, FP8 tensorwise    ~6 min
-#   fp8_profile kernel time by kind, Llama-1B FP8 delayed (beside BENCHMARKS.md's bf16 and tensorwise rows)  ~3 min
-#   steady      GPT-2 124M, five runs back to back with Python's collector as it is, five with manual_gc  ~9 min
+#   fp8_profile kernel time by kind and the GPU's idle stretches charged to the host ranges before them
+#               (--gaps), Llama-1B FP8 delayed and tensorwise                                      ~3 min
+#   steady      GPT-2 124M, five runs back to back, after one that fills the compile cache, with the host
+#               and GPU telemetry that can explain a slow run (clocks and power each second, which CPU each
+#               run was on, the load, the GPU's NUMA-local CPUs)                                  ~10 min
+#   steady_gc   the same five with manual_gc (Megatron-LM's manual garbage collection)            ~10 min
+#   steady_pin  the same five, each process pinned to the GPU's NUMA-local CPUs (taskset), as accelerate
+#               launch --enable_cpu_affinity pins                                                  ~10 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | steady"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | steady | steady_gc | steady_pin"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -40,23 +46,36 @@ case "$stage" in
       $T --sizes 1.5b --num_micro 1 --modes megatron_compile --steps 8 --warmup 2 $fp8
     done 2>&1 | tee "$out/fp8_1p5b.log" ;;
   fp8_profile)
-    python benchmarks/profile_step.py --size llama-1b --seq 2048 --global_batch 8 --num_micro 4 \
-      --mode megatron_compile --steps 3 --warmup 2 --fp8 hybrid --fp8_recipe delayed 2>&1 | tee "$out/fp8_profile.log" ;;
-  steady)
+    for recipe in delayed tensorwise; do
+      python benchmarks/profile_step.py --size llama-1b --seq 2048 --global_batch 8 --num_micro 4 \
+        --mode megatron_compile --steps 3 --warmup 2 --gaps 25 --fp8 hybrid --fp8_recipe $recipe
+    done 2>&1 | tee "$out/fp8_profile.log" ;;
+  steady|steady_gc|steady_pin)
+    extra="" ; pin=""
+    [ "$stage" = steady_gc ] && extra="--manual_gc 0"
+    bus=$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader | head -1 | tr 'A-F' 'a-f' | sed 's/^0000//')
+    local_cpus=$(cat "/sys/bus/pci/devices/$bus/local_cpulist" 2>/dev/null)
+    [ "$stage" = steady_pin ] && pin="taskset -c $local_cpus"
+    { echo "GPU $bus, NUMA-local CPUs: ${local_cpus:-unknown}, this shell's: $(taskset -pc $$ 2>/dev/null)"
+      lscpu | grep -E "^(Model name|CPU\(s\)|NUMA|Thread|CPU max MHz)"; nvidia-smi topo -m; } > "$out/${stage}_host.txt" 2>&1
+    nvidia-smi dmon -s pc -o T > "$out/${stage}_dmon.log" 2>&1 &
+    dmon=$!
     # one untimed run fills the compile cache, so that no timed run pays a cold compile
-    $T --sizes 124m --modes megatron_compile --steps 3 --warmup 1 > "$out/steady_warm.log" 2>&1
-    for gc in "" "--manual_gc 0"; do
-      for i in 1 2 3 4 5; do
-        $T --sizes 124m --modes megatron_compile --steps 30 --warmup 3 $gc
-      done
-    done 2>&1 | tee "$out/steady.log"
-    grep '^{' "$out/steady.log" | python -c '
+    $pin $T --sizes 124m --modes megatron_compile --steps 3 --warmup 1 $extra > "$out/${stage}_warm.log" 2>&1
+    for i in 1 2 3 4 5; do
+      echo "run $i starts $(date +%T), load $(cut -d' ' -f1-3 /proc/loadavg)"
+      $pin $T --sizes 124m --modes megatron_compile --steps 30 --warmup 3 $extra
+    done 2>&1 | tee "$out/$stage.log"
+    kill $dmon
+    grep '^{' "$out/$stage.log" | python -c '
 import json, sys
 rows = [json.loads(l) for l in sys.stdin]
-for variant in sorted({r["mode"] for r in rows}):
-    tok = [r["tok_s"] for r in rows if r["mode"] == variant]
-    print(f"{variant}: {tok} spread {(max(tok) - min(tok)) / max(tok):.1%}")
-' | tee "$out/steady_summary.txt" ;;
+tok = [r["tok_s"] for r in rows]
+print(rows[0]["mode"] + f": {tok} spread {(max(tok) - min(tok)) / max(tok):.1%}")
+for r in rows:
+    steps = sorted(r["step_ms"])
+    print("  " + format(r["tok_s"], ">8,"), "tok/s, median step", steps[len(steps) // 2], "ms, host", r.get("host"), "events", r["step_events"])
+' | tee "$out/${stage}_summary.txt" ;;
   *)
     echo "unknown stage $stage" >&2; exit 2 ;;
 esac

@@ -27,7 +27,9 @@ columns still count 6N per token, which a LoRA step does not do (no base weight 
 Beside `step_ms` (each timed step's span on the GPU's timeline) the JSON line says what else happened in each
 step (bench_steps.StepWatch): `host_ms` (the host's time per step), `step_events` ([step, "gc gen2 87.0 ms"],
 [step, "1 Dynamo frame(s) compiled"]) and `allocator` (new cudaMallocs and retries in the timed window), so that
-a slow step names its cause: a collection, a recompile, an allocator miss, or none of them (host jitter).
+a slow step names its cause: a collection, a recompile, an allocator miss, or none of them (host jitter); `host`
+says what can slow a whole run with no slow step to show (the CPU it ran on, the load, the GPU's clock and
+throttle reasons after the timed steps) and `setup_s`, the seconds before the first timed step.
 `--manual_gc N` runs the plugin with Megatron-LM's manual garbage collection (collections only every N steps).
 
 FLOPs per token = 6 * N + 12 * L * h * s (N: parameters without position embeddings, counting a tied
@@ -43,6 +45,7 @@ import subprocess
 import sys
 import time
 
+_STARTED = time.perf_counter()  # the process's start, for the JSON's setup_s (imports, build, compile, warm-up)
 SIZES = {  # GPT-2: n_layer, n_embd, n_head
     "124m": (12, 768, 12),
     "350m": (24, 1024, 16),
@@ -210,7 +213,7 @@ def build_step(args):
 def measure(args):
     """One mode, one size, in this process; prints a JSON line on the last rank."""
     import torch
-    from bench_steps import StepWatch
+    from bench_steps import StepWatch, host_report
 
     step, cfg, world = build_step(args)
     for _ in range(args.warmup):
@@ -230,6 +233,7 @@ def measure(args):
             watch.end(i)
         torch.cuda.synchronize()
     dt = time.perf_counter() - t0
+    host = host_report(t0 - _STARTED)
     step_ms = [round(a.elapsed_time(b), 1) for a, b in zip(marks, marks[1:])]
     tokens = args.global_batch * args.seq * args.steps
     per_token, n_params = flops_per_token(cfg, args.seq)
@@ -254,7 +258,7 @@ def measure(args):
         "global_batch": args.global_batch, "tok_s": round(tok_s), "tflops_per_gpu": round(flops / 1e12, 1),
         "mfu": round(flops / peak_flops(name), 3), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "static_mem_gib": round(static_mem / 2**30, 2),
-        "params": n_params, "device": name, "step_ms": step_ms, **watch.report(),
+        "params": n_params, "device": name, "step_ms": step_ms, **watch.report(), "host": host,
     }
     if int(os.environ.get("RANK", "0")) == world - 1:
         print("RESULT " + json.dumps(result), flush=True)

@@ -96,3 +96,29 @@ def test_step_watch_names_what_happened_in_which_step():
     host = events["host_ms"]
     assert len(host) == 6 and host[4] >= 50 and max(host[0], host[2], host[5]) < 50, host
     assert "allocator" not in events  # CUDA only
+
+
+def test_host_report_says_where_the_run_ran(monkeypatch):
+    """bench_steps.host_report (the benchmarks' JSON `host`): the CPU the process last ran on is one it may run on,
+    the CPU count and load are this machine's, and the GPU's clock, power and throttle reasons are read from
+    nvidia-smi's CSV (None without it, as on this CPU machine)."""
+    import types
+
+    import bench_steps
+
+    got = bench_steps.host_report(12.34)
+    assert got["setup_s"] == 12.3 and got["cpus"] == len(os.sched_getaffinity(0)) >= 1
+    assert got["cpu"] in range(os.cpu_count()) and got["load1"] >= 0
+    monkeypatch.setattr(bench_steps.subprocess, "run", lambda *a, **k: (_ for _ in ()).throw(FileNotFoundError()))
+    assert bench_steps.host_report(0)["sm_mhz"] is None
+    seen = []
+
+    def fake_smi(cmd, **kwargs):
+        seen.append(cmd)
+        return types.SimpleNamespace(stdout="1980, 612.31, 0x0000000000000000\n")
+
+    monkeypatch.setattr(bench_steps.subprocess, "run", fake_smi)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    got = bench_steps.host_report(0)
+    assert (got["sm_mhz"], got["power_w"], got["throttle"]) == ("1980", "612.31", "0x0000000000000000")
+    assert seen[0][0] == "nvidia-smi" and seen[0][-2:] == ["-i", "1"]
