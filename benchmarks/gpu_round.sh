@@ -13,6 +13,8 @@
 #   fp8_1p5b    GPT-2 1.5B, one micro-batch of 16 x 1024: bf16, FP8 delayed, FP8 tensorwise    ~6 min
 #   fp8_profile kernel time by kind and the GPU's idle stretches charged to the host ranges before them
 #               (--gaps), Llama-1B FP8 delayed and tensorwise                                      ~3 min
+#   fp8_cpp     the FP8 layers with Inductor's C++ wrapper (the engine keeps FP8 layers on the Python wrapper:
+#               not yet run on a GPU): the compiled FP8 GPU tests, then Llama-1B delayed and tensorwise ~7 min
 #   steady      GPT-2 124M, five runs back to back, after one that fills the compile cache, with the host
 #               and GPU telemetry that can explain a slow run (clocks and power each second, which CPU each
 #               run was on, the load, the GPU's NUMA-local CPUs)                                  ~10 min
@@ -21,7 +23,7 @@
 #               launch --enable_cpu_affinity pins                                                  ~10 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | steady | steady_gc | steady_pin"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | fp8_cpp | steady | steady_gc | steady_pin"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -50,6 +52,14 @@ case "$stage" in
       python benchmarks/profile_step.py --size llama-1b --seq 2048 --global_batch 8 --num_micro 4 \
         --mode megatron_compile --steps 3 --warmup 2 --gaps 25 --fp8 hybrid --fp8_recipe $recipe
     done 2>&1 | tee "$out/fp8_profile.log" ;;
+  fp8_cpp)
+    # the config the engine sets for bf16 layers (engine/gpu.use_cpp_wrapper), here by torch's environment switch
+    export TORCHINDUCTOR_CPP_WRAPPER=1
+    python -m pytest -q tests/gpu/test_fp8_gpu.py -k compiled 2>&1 | tee "$out/fp8_cpp_tests.log"
+    for recipe in delayed tensorwise; do
+      $T --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 4 --modes megatron_compile --steps 8 --warmup 2 \
+        --fp8 hybrid --fp8_recipe $recipe
+    done 2>&1 | tee "$out/fp8_cpp.log" ;;
   steady|steady_gc|steady_pin)
     extra="" ; pin=""
     [ "$stage" = steady_gc ] && extra="--manual_gc 0"

@@ -508,6 +508,58 @@ def test_compiled_cached_weights_and_fused_wgrad_equal_eager(recipe, backend, mo
     assert counters["stats"]["unique_graphs"] == (2 if recipe == "delayed" else 1), counters["stats"]
 
 
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cpp_wrapper_equals_python_wrapper(recipe, monkeypatch, cpu_fused_wgrad):
+    """Inductor's C++ wrapper (what the CUDA engine compiles bf16 layers with; FP8 layers are to follow once timed
+    on a GPU: `benchmarks/gpu_round.sh fp8_cpp`) against its Python wrapper, three engine steps of two
+    micro-batches (weights cached, main_grad written first, settled after the first step): the same outputs,
+    input gradients, main_grads, delayed histories and scales bit for bit, so the in-graph state updates and the
+    custom ops (scale snapshots, main_grad writes) run once either way."""
+    from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
+
+    from megatron_plugin.layers.fp8 import cache_weights, drop_weight_cache, settle
+
+    monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
+    monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # compiled here, so that it is seen
+    monkeypatch.setattr(torch._functorch.config, "enable_autograd_cache", False)
+    cpp_graphs = []
+    create = CppWrapperCpu.create
+    monkeypatch.setattr(CppWrapperCpu, "create", staticmethod(lambda *a, **k: cpp_graphs.append(1) or create(*a, **k)))
+    r = FP8Recipe(fmt="hybrid", recipe=recipe, amax_history_len=3)
+    got = []
+    for cpp in (False, True):
+        torch._dynamo.reset()
+        monkeypatch.setattr(torch._inductor.config, "cpp_wrapper", cpp)
+        model = _TwoFused(r)
+        run = torch.compile(model, backend="inductor", fullgraph=True)
+        g = torch.Generator().manual_seed(9)
+        seen = []
+        for step in range(3):
+            states = [model.s1, model.s2]
+            for w in (model.w1, model.w2):
+                w.main_grad.fill_(float("nan"))
+                w.main_grad.write_first = True
+            cache_weights(states)
+            for i in range(2):
+                x = (torch.randn(2, 16, 32, generator=g).bfloat16() * (step + i + 1)).requires_grad_()
+                y = run(x)
+                y.backward(torch.randn(2, 16, 32, generator=g).bfloat16())
+                seen += [y.detach(), x.grad]
+            drop_weight_cache(states)
+            if recipe == "delayed":
+                settle(states)
+            seen += [model.w1.main_grad.clone(), model.w2.main_grad.clone()]
+            if recipe == "delayed":
+                seen += [st.history.clone() for st in states] + [st.scale.clone() for st in states]
+        got.append(seen)
+        # the C++ wrapper wrote the second run's forward and backward graphs (delayed: the settled ones too)
+        assert len(cpp_graphs) == (0 if not cpp else 4 if recipe == "delayed" else 2), cpp_graphs
+    python_wrapper, cpp_wrapper = got
+    assert len(python_wrapper) == len(cpp_wrapper) and not any(t.isnan().any() for t in cpp_wrapper)
+    for i, (a, b) in enumerate(zip(python_wrapper, cpp_wrapper)):
+        assert torch.equal(a, b), i
+
+
 @pytest.mark.parametrize("length", [1, 3])
 @pytest.mark.parametrize("backend", [None, "aot_eager", "inductor"], ids=["eager", "aot_eager", "inductor"])
 def test_settled_delayed_states_give_the_same_numbers(backend, length, monkeypatch):

@@ -403,8 +403,8 @@ def cache_weights(states: List[FP8State], compiled=None) -> None:
     fn = _step_copy
     if compiled:
         if compiled not in _compiled_step_copy:
-            # the delayed update writes the state in place: Inductor's C++ wrapper (process-wide when another run
-            # set it) would run the graph once more while compiling it, updating the history twice
+            # the Python wrapper even where another run set the C++ one for the process: one call per weight a
+            # step, where the C++ wrapper's saving is small, and it is not yet run with these graphs on a GPU
             options = {"cpp_wrapper": False} if compiled == "inductor" else None
             _compiled_step_copy[compiled] = torch.compile(_step_copy, fullgraph=True, backend=compiled,
                                                           options=options)
