@@ -210,11 +210,17 @@ def host_report(setup_s: float) -> dict:
     with contextlib.suppress(OSError, IndexError, ValueError):
         with open("/proc/self/stat") as f:  # field 39: the CPU it last ran on (after the ")" of the name)
             report["cpu"] = int(f.read().rsplit(")", 1)[1].split()[36])
-    try:
-        out = subprocess.run(["nvidia-smi", "--query-gpu=clocks.sm,power.draw,clocks_throttle_reasons.active",
-                              "--format=csv,noheader,nounits", "-i", str(int(os.environ.get("LOCAL_RANK", "0")))],
-                             capture_output=True, text=True, timeout=10).stdout.strip().split(", ")
-        report.update(sm_mhz=out[0], power_w=out[1], throttle=out[2])
-    except (OSError, subprocess.SubprocessError, IndexError):
-        report.update(sm_mhz=None, power_w=None, throttle=None)
+    report.update(sm_mhz=None, power_w=None, throttle=None)
+    gpu = str(int(os.environ.get("LOCAL_RANK", "0")))
+    # the reasons' field was renamed (clocks_event_reasons in newer drivers): the first that the driver knows
+    for reasons in ("clocks_event_reasons.active", "clocks_throttle_reasons.active"):
+        try:
+            got = subprocess.run(["nvidia-smi", f"--query-gpu=clocks.sm,power.draw,{reasons}",
+                                  "--format=csv,noheader,nounits", "-i", gpu], capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            break
+        out = got.stdout.strip().split(", ")
+        if got.returncode == 0 and len(out) == 3:
+            report.update(sm_mhz=out[0], power_w=out[1], throttle=out[2])
+            break
     return report

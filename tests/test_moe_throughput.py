@@ -113,12 +113,14 @@ def test_host_report_says_where_the_run_ran(monkeypatch):
     assert bench_steps.host_report(0)["sm_mhz"] is None
     seen = []
 
-    def fake_smi(cmd, **kwargs):
+    def fake_smi(cmd, **kwargs):  # a driver that knows only the older name of the reasons' field
         seen.append(cmd)
-        return types.SimpleNamespace(stdout="1980, 612.31, 0x0000000000000000\n")
+        if "clocks_event_reasons" in cmd[1]:
+            return types.SimpleNamespace(returncode=2, stdout='Field "clocks_event_reasons.active" is not valid')
+        return types.SimpleNamespace(returncode=0, stdout="1980, 612.31, 0x0000000000000000\n")
 
     monkeypatch.setattr(bench_steps.subprocess, "run", fake_smi)
     monkeypatch.setenv("LOCAL_RANK", "1")
     got = bench_steps.host_report(0)
     assert (got["sm_mhz"], got["power_w"], got["throttle"]) == ("1980", "612.31", "0x0000000000000000")
-    assert seen[0][0] == "nvidia-smi" and seen[0][-2:] == ["-i", "1"]
+    assert len(seen) == 2 and seen[1][0] == "nvidia-smi" and seen[1][-2:] == ["-i", "1"]
