@@ -15,6 +15,9 @@
 #               (--gaps), Llama-1B FP8 delayed and tensorwise                                      ~3 min
 #   fp8_cpp     the FP8 layers with Inductor's C++ wrapper (the engine keeps FP8 layers on the Python wrapper:
 #               not yet run on a GPU): the compiled FP8 GPU tests, then Llama-1B delayed and tensorwise ~7 min
+#   fp8_parity [RECIPE]  300 steps of Llama-1B, bf16 and FP8 (tensorwise unless named), on ~10 MB of docstrings
+#               built there (from the packages installed there, so both arms in one call): the parity again after
+#               the forward's fast accumulation                                                   ~7 min
 #   steady      GPT-2 124M, five runs back to back, with the host
 #               and GPU telemetry that can explain a slow run (clocks and power each second, which CPU each
 #               run was on, the load, the GPU's NUMA-local CPUs)                                  ~10 min
@@ -23,7 +26,7 @@
 #               launch --enable_cpu_affinity pins                                                  ~10 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | fp8_cpp | steady | steady_gc | steady_pin"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | fp8_cpp | fp8_parity | steady | steady_gc | steady_pin"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -60,6 +63,14 @@ case "$stage" in
       $T --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 4 --modes megatron_compile --steps 8 --warmup 2 \
         --fp8 hybrid --fp8_recipe $recipe
     done 2>&1 | tee "$out/fp8_cpp.log" ;;
+  fp8_parity)
+    recipe=${2:-tensorwise}
+    mkdir -p "$out/parity"
+    python benchmarks/docstring_corpus.py --out "$out/docstrings.txt" > "$out/fp8_parity_corpus.log" 2>&1
+    python benchmarks/fp8_parity.py --sizes llama-1b --arms "bf16,$recipe" --train_file "$out/docstrings.txt" \
+      --out "$out/parity" 2>&1 | tee "$out/fp8_parity.log"
+    python benchmarks/fp8_parity.py --table "$out/parity" | tee -a "$out/fp8_parity.log"
+    rm -rf "$out/parity/data" "$out/docstrings.txt" ;;
   steady|steady_gc|steady_pin)
     extra="" ; pin=""
     [ "$stage" = steady_gc ] && extra="--manual_gc 0"
