@@ -7,14 +7,12 @@
 # benchmarks are in the logs (`grep RESULT`), the markdown tables at their ends.
 #
 #   fp8_tests   tests/gpu/test_fp8_gpu.py (every recipe, eager and compiled, tracks bf16; cached weights dropped
-#               after each step; weight gradients through main_grad)                          ~5 min
+#               after each step; weight gradients through main_grad; C++ wrapper against Python wrapper)  ~7 min
 #   fp8_llama   Llama-1B shape, 4 micro-batches of 2 x 2048: bf16, FP8 delayed, FP8 tensorwise, FP8 delayed in
 #               every layer (Megatron-LM's default; ours keeps the first and last in bf16)        ~8 min
 #   fp8_1p5b    GPT-2 1.5B, one micro-batch of 16 x 1024: bf16, FP8 delayed, FP8 tensorwise    ~6 min
 #   fp8_profile kernel time by kind and the GPU's idle stretches charged to the host ranges before them
 #               (--gaps), Llama-1B FP8 delayed and tensorwise                                      ~3 min
-#   fp8_cpp     the FP8 layers with Inductor's C++ wrapper (the engine keeps FP8 layers on the Python wrapper:
-#               not yet run on a GPU): the compiled FP8 GPU tests, then Llama-1B delayed and tensorwise ~7 min
 #   fp8_parity [RECIPE]  300 steps of Llama-1B, bf16 and FP8 (tensorwise unless named), on ~10 MB of docstrings
 #               built there (from the packages installed there, so both arms in one call): the parity again after
 #               the forward's fast accumulation                                                   ~7 min
@@ -26,7 +24,7 @@
 #               launch --enable_cpu_affinity pins                                                  ~10 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | fp8_cpp | fp8_parity | steady | steady_gc | steady_pin"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | fp8_parity | steady | steady_gc | steady_pin"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -55,14 +53,6 @@ case "$stage" in
       python benchmarks/profile_step.py --size llama-1b --seq 2048 --global_batch 8 --num_micro 4 \
         --mode megatron_compile --steps 3 --warmup 2 --gaps 25 --fp8 hybrid --fp8_recipe $recipe
     done 2>&1 | tee "$out/fp8_profile.log" ;;
-  fp8_cpp)
-    # the config the engine sets for bf16 layers (engine/gpu.use_cpp_wrapper), here by torch's environment switch
-    export TORCHINDUCTOR_CPP_WRAPPER=1
-    python -m pytest -q tests/gpu/test_fp8_gpu.py -k compiled 2>&1 | tee "$out/fp8_cpp_tests.log"
-    for recipe in delayed tensorwise; do
-      $T --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 4 --modes megatron_compile --steps 8 --warmup 2 \
-        --fp8 hybrid --fp8_recipe $recipe
-    done 2>&1 | tee "$out/fp8_cpp.log" ;;
   fp8_parity)
     recipe=${2:-tensorwise}
     mkdir -p "$out/parity"

@@ -16,7 +16,27 @@ pytestmark = pytest.mark.skipif(
 STEPS = 20
 
 
-def _train(family, fp8, recipe, compiled):
+def _train(family, fp8, recipe, compiled, cpp_wrapper=None):
+    """`cpp_wrapper`: None, as the engine chooses (Inductor's C++ wrapper where no collective runs in a layer, set
+    for the process); False, the Python wrapper (the engine's choice undone); True, the C++ wrapper."""
+    import torch._inductor.config as inductor_config
+
+    from megatron_plugin.engine import gpu as gpu_engine
+
+    if cpp_wrapper is None:
+        return _train_in(family, fp8, recipe, compiled)
+    before, choose = inductor_config.cpp_wrapper, gpu_engine.use_cpp_wrapper
+    torch._dynamo.reset()  # this worker may have compiled the same layer code with the other wrapper
+    inductor_config.cpp_wrapper = cpp_wrapper
+    gpu_engine.use_cpp_wrapper = lambda: None
+    try:
+        return _train_in(family, fp8, recipe, compiled)
+    finally:
+        inductor_config.cpp_wrapper, gpu_engine.use_cpp_wrapper = before, choose
+        torch._dynamo.reset()
+
+
+def _train_in(family, fp8, recipe, compiled):
     from torch.utils.data import DataLoader
 
     from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
@@ -72,3 +92,19 @@ def test_fp8_tracks_bf16(family, recipe, compiled):
     assert a != b  # FP8 GEMMs ran (bf16 would give the reference's losses)
     assert got["settled"] == ([True] * 8 if recipe == "delayed" else []), got["settled"]
     assert got["cached"] == [False] * 8 and got["fused"] == [True] * 8, got
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+def test_fp8_layers_with_the_cpp_wrapper_track_the_python_wrapper(recipe):
+    """Compiled FP8 layers under Inductor's C++ wrapper (the engine's choice with TP = CP = EP = 1): the losses of
+    the Python wrapper's run within 1% step by step (the same kernels; autotuning may pick other
+    configurations), the delayed states settled once, the weights' step copies dropped, the weight gradients
+    through main_grad. tests/test_fp8.py shows the two wrappers equal bit for bit on CPU."""
+    (python_wrapper,) = run_on_ranks(_train, 1, "llama", "hybrid", recipe, True, False)
+    (cpp_wrapper,) = run_on_ranks(_train, 1, "llama", "hybrid", recipe, True, True)
+    a, b = cpp_wrapper["losses"], python_wrapper["losses"]
+    assert len(a) == len(b) == STEPS and all(x == x for x in a), a
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) / y < 0.01, (i, x, y)
+    assert cpp_wrapper["settled"] == ([True] * 8 if recipe == "delayed" else []), cpp_wrapper["settled"]
+    assert cpp_wrapper["cached"] == [False] * 8 and cpp_wrapper["fused"] == [True] * 8, cpp_wrapper
