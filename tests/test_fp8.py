@@ -453,6 +453,29 @@ class _TwoFused(_Two):
         return fp8_linear(torch.nn.functional.gelu(h), self.w2, self.s2, fuse_wgrad=True)
 
 
+def _engine_step(model, fn, xs, dys, recipe):
+    """One training step of a _TwoFused as the CUDA engine runs it: main_grads left unzeroed for the first GEMM to
+    write, the weights quantized once, each micro-batch's forward (through `fn`) and backward, the step's copies
+    dropped, delayed states settled. Returns each micro-batch's output and input gradient."""
+    from megatron_plugin.layers.fp8 import cache_weights, drop_weight_cache, settle
+
+    states = [model.s1, model.s2]
+    for w in (model.w1, model.w2):
+        w.main_grad.fill_(float("nan"))
+        w.main_grad.write_first = True
+    cache_weights(states)
+    outs = []
+    for x, dy in zip(xs, dys):
+        xr = x.clone().requires_grad_()
+        y = fn(xr)
+        y.backward(dy)
+        outs += [y.detach(), xr.grad]
+    drop_weight_cache(states)
+    if recipe == "delayed":
+        settle(states)
+    return outs
+
+
 @pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_compiled_cached_weights_and_fused_wgrad_equal_eager(recipe, backend, monkeypatch, cpu_fused_wgrad):
@@ -462,8 +485,6 @@ def test_compiled_cached_weights_and_fused_wgrad_equal_eager(recipe, backend, mo
     (GELU, the casts) may round an element otherwise, which FP8 then moves by a step of its grid: within 1%.
     One graph per variant, none recompiled when the next step brings new cached tensors."""
     from torch._dynamo.utils import counters
-
-    from megatron_plugin.layers.fp8 import cache_weights, drop_weight_cache, settle
 
     torch._dynamo.reset()
     counters.clear()
@@ -480,22 +501,8 @@ def test_compiled_cached_weights_and_fused_wgrad_equal_eager(recipe, backend, mo
     for step in range(3):
         xs = [torch.randn(2, 16, 32, generator=g).bfloat16() * (step + i + 1) for i in range(2)]
         dys = [torch.randn(2, 16, 32, generator=g).bfloat16() for _ in range(2)]
-        for model, fn in ((eager, eager), (compiled, run)):
-            states = [model.s1, model.s2]
-            for w in (model.w1, model.w2):
-                w.main_grad.fill_(float("nan"))
-                w.main_grad.write_first = True
-            cache_weights(states)
-            model.outs = []
-            for x, dy in zip(xs, dys):
-                xr = x.clone().requires_grad_()
-                y = fn(xr)
-                y.backward(dy)
-                model.outs += [y, xr.grad]
-            drop_weight_cache(states)
-            if recipe == "delayed":
-                settle(states)
-        for a, b in zip(eager.outs, compiled.outs):
+        outs = [_engine_step(model, fn, xs, dys, recipe) for model, fn in ((eager, eager), (compiled, run))]
+        for a, b in zip(*outs):
             assert same(a, b), step
         for a, b in ((eager.w1, compiled.w1), (eager.w2, compiled.w2)):
             assert not a.main_grad.isnan().any() and same(a.main_grad, b.main_grad), step
@@ -510,14 +517,12 @@ def test_compiled_cached_weights_and_fused_wgrad_equal_eager(recipe, backend, mo
 
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_cpp_wrapper_equals_python_wrapper(recipe, monkeypatch, cpu_fused_wgrad):
-    """Inductor's C++ wrapper (what the CUDA engine compiles bf16 layers with; FP8 layers are to follow once timed
-    on a GPU: `benchmarks/gpu_round.sh fp8_cpp`) against its Python wrapper, three engine steps of two
-    micro-batches (weights cached, main_grad written first, settled after the first step): the same outputs,
-    input gradients, main_grads, delayed histories and scales bit for bit, so the in-graph state updates and the
-    custom ops (scale snapshots, main_grad writes) run once either way."""
+    """Inductor's C++ wrapper (what the CUDA engine compiles layers with, FP8 ones too, where no collective runs
+    in them) against its Python wrapper, three engine steps of two micro-batches (weights cached, main_grad
+    written first, settled after the first step): the same outputs, input gradients, main_grads, delayed
+    histories and scales bit for bit, so the in-graph state updates and the custom ops (scale snapshots,
+    main_grad writes) run once either way."""
     from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
-
-    from megatron_plugin.layers.fp8 import cache_weights, drop_weight_cache, settle
 
     monkeypatch.setattr(torch._inductor.config, "emulate_precision_casts", True)
     monkeypatch.setattr(torch._inductor.config, "fx_graph_cache", False)  # compiled here, so that it is seen
@@ -535,22 +540,12 @@ def test_cpp_wrapper_equals_python_wrapper(recipe, monkeypatch, cpu_fused_wgrad)
         g = torch.Generator().manual_seed(9)
         seen = []
         for step in range(3):
-            states = [model.s1, model.s2]
-            for w in (model.w1, model.w2):
-                w.main_grad.fill_(float("nan"))
-                w.main_grad.write_first = True
-            cache_weights(states)
-            for i in range(2):
-                x = (torch.randn(2, 16, 32, generator=g).bfloat16() * (step + i + 1)).requires_grad_()
-                y = run(x)
-                y.backward(torch.randn(2, 16, 32, generator=g).bfloat16())
-                seen += [y.detach(), x.grad]
-            drop_weight_cache(states)
-            if recipe == "delayed":
-                settle(states)
+            xs = [torch.randn(2, 16, 32, generator=g).bfloat16() * (step + i + 1) for i in range(2)]
+            dys = [torch.randn(2, 16, 32, generator=g).bfloat16() for _ in range(2)]
+            seen += _engine_step(model, run, xs, dys, recipe)
             seen += [model.w1.main_grad.clone(), model.w2.main_grad.clone()]
             if recipe == "delayed":
-                seen += [st.history.clone() for st in states] + [st.scale.clone() for st in states]
+                seen += [t.clone() for st in (model.s1, model.s2) for t in (st.history, st.scale)]
         got.append(seen)
         # the C++ wrapper wrote the second run's forward and backward graphs (delayed: the settled ones too)
         assert len(cpp_graphs) == (0 if not cpp else 4 if recipe == "delayed" else 2), cpp_graphs
