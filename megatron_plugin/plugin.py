@@ -557,13 +557,8 @@ class MegatronLMPlugin:
             raise MegatronPluginConfigError("lr_decay_style", self.lr_decay_style, "use 'constant', 'linear' or 'cosine'")
         self._validate_accelerate_fields()
         self._validate_fp8()
-        for name in ("manual_gc", "manual_gc_eval"):
-            if not isinstance(getattr(self, name), bool):
-                raise MegatronPluginConfigError(name, getattr(self, name), f"use True or False for {name}")
-        interval = self.manual_gc_interval
-        if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
-            raise MegatronPluginConfigError("manual_gc_interval", interval,
-                                            "use a whole number >= 0 (steps between collections; 0: none between steps)")
+        self._require_switches("manual_gc", "manual_gc_eval")
+        self._require_whole("manual_gc_interval", 0, " (steps between collections; 0: none between steps)")
         if world_size is not None and world_size < 1:
             raise MegatronPluginConfigError("num_processes", world_size, "launch at least one process")
         if world_size is not None:
@@ -614,6 +609,16 @@ class MegatronLMPlugin:
                 )
         return self
 
+    def _require_switches(self, *names: str):
+        for name in names:
+            if not isinstance(getattr(self, name), bool):
+                raise MegatronPluginConfigError(name, getattr(self, name), "use True or False")
+
+    def _require_whole(self, name: str, low: int, meaning: str = ""):
+        value = getattr(self, name)
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
+            raise MegatronPluginConfigError(name, value, f"use a whole number >= {low}{meaning}")
+
     def _validate_accelerate_fields(self):
         """Types and ranges of the settings accelerate's plugin has, and the refusals of what cannot run here
         (FIELD_STATUS says why, and what to use instead)."""
@@ -634,9 +639,7 @@ class MegatronLMPlugin:
         lr_mult = self.lr_mult
         if isinstance(lr_mult, bool) or not isinstance(lr_mult, numbers.Real) or not math.isfinite(lr_mult) or lr_mult < 0:
             raise MegatronPluginConfigError("lr_mult", lr_mult, "use a finite number >= 0 (1.0 leaves the learning rate as it is; 0 freezes scale_lr_cond's parameters)")
-        for name in _SWITCHES:
-            if not isinstance(getattr(self, name), bool):
-                raise MegatronPluginConfigError(name, getattr(self, name), "use True or False")
+        self._require_switches(*_SWITCHES)
         for name in _OPTIONAL_SWITCHES:
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise MegatronPluginConfigError(name, getattr(self, name), "use True, False, or None (what the HF model does)")
@@ -704,12 +707,8 @@ class MegatronLMPlugin:
                                             f"use one of {AMAX_COMPUTE_ALGOS}")
         for name, low in (("fp8_margin", 0), ("fp8_amax_history_len", 1), ("num_layers_at_start_in_bf16", 0),
                           ("num_layers_at_end_in_bf16", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low:
-                raise MegatronPluginConfigError(name, value, f"use a whole number >= {low}")
-        for name in ("fp8_wgrad", "first_last_layers_bf16"):
-            if not isinstance(getattr(self, name), bool):
-                raise MegatronPluginConfigError(name, getattr(self, name), "use True or False")
+            self._require_whole(name, low)
+        self._require_switches("fp8_wgrad", "first_last_layers_bf16")
 
     def _refuse_unsupported(self):
         """Settings of accelerate's plugin whose feature does not run here (see FIELD_STATUS)."""
