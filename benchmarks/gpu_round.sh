@@ -79,10 +79,12 @@ case "$stage" in
     nvidia-smi dmon -s pc -o T > "$out/${stage}_dmon.log" 2>&1 &
     dmon=$!
     # no separate run to fill the compile cache: compiling happens in the warm-up steps, outside the timed window
-    # (a recompile inside it would show in step_events), and five runs of ~100 s then fit one call
+    # (a recompile inside it would show in step_events), and five runs of ~80 s then fit one call. 200 timed steps
+    # (~7 s): with 30 (~1 s) one host stall of six steps moved a run by 6% (steady_pin, 2026-11-29), and the GPU
+    # reached its power cap (~700 W, clocks 1980 -> ~1750 MHz) only in the window's last third
     for i in 1 2 3 4 5; do
       echo "run $i starts $(date +%T), load $(cut -d' ' -f1-3 /proc/loadavg)"
-      $pin $T --sizes 124m --modes megatron_compile --steps 30 --warmup 3 $extra
+      $pin $T --sizes 124m --modes megatron_compile --steps 200 --warmup 10 $extra
     done 2>&1 | tee "$out/$stage.log"
     kill $dmon
     grep '^{' "$out/$stage.log" | python -c '

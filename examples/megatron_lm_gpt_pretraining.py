@@ -26,7 +26,6 @@ import os
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-import datasets  # noqa: E402
 import torch  # noqa: E402
 from accelerate import init_empty_weights  # noqa: E402
 from accelerate.logging import get_logger  # noqa: E402
@@ -97,6 +96,8 @@ def build_tokenizer(train_file, vocab_size, save_dir):
 
 def lm_datasets(args, tokenizer, accelerator=None):
     """(train, eval) datasets of `block_size` token blocks from the text file, split as run_clm splits."""
+    import datasets  # here, not at the top: build_tokenizer is used where `datasets` is not installed (GPU machines)
+
     first = accelerator.main_process_first if accelerator is not None else contextlib.nullcontext
     raw = datasets.load_dataset("text", data_files={"train": args.train_file})
     split = raw["train"].train_test_split(test_size=args.validation_split_percentage / 100, seed=args.seed)
@@ -132,6 +133,8 @@ def main(argv=None):
     logging.basicConfig(format="%(asctime)s - %(levelname)s - %(name)s - %(message)s", level=logging.INFO)
     logger.info(accelerator.state, main_process_only=False)
     if not accelerator.is_local_main_process:  # one rank's progress bars are enough
+        import datasets
+
         datasets.utils.logging.disable_progress_bar()
         datasets.utils.logging.set_verbosity_error()
     if args.megatron_lm_checkpoint and accelerator.distributed_type != DistributedType.MEGATRON_LM:
