@@ -403,8 +403,8 @@ def cache_weights(states: List[FP8State], compiled=None) -> None:
     fn = _step_copy
     if compiled:
         if compiled not in _compiled_step_copy:
-            # the Python wrapper even where another run set the C++ one for the process: one call per weight a
-            # step, where the C++ wrapper's saving is small, and it is not yet run with these graphs on a GPU
+            # the Python wrapper even where another run set the C++ one for the process, as the FP8 layers have
+            # (the C++ wrapper timed slower with FP8 graphs: engine/gpu.wants_cpp_wrapper)
             options = {"cpp_wrapper": False} if compiled == "inductor" else None
             _compiled_step_copy[compiled] = torch.compile(_step_copy, fullgraph=True, backend=compiled,
                                                           options=options)
