@@ -332,8 +332,9 @@ _grouped_mm_op = None
 
 def _grouped_mm():
     """torch's grouped GEMM as our own op: Inductor's C++ wrapper (which the CUDA engine compiles layers without
-    collectives with, MoE ones included, `engine/gpu.wants_cpp_wrapper`) has no C shim for `aten::_grouped_mm` in torch 2.13 and calls our op through
-    Python instead. None where torch has no grouped GEMM."""
+    collectives with, MoE ones included, `engine/gpu.wants_cpp_wrapper`) has no C shim for `aten::_grouped_mm`
+    before torch 2.12 (torchgen/aoti/fallback_ops.py; the GPU machines run 2.11) and calls our op through Python
+    instead. None where torch has no grouped GEMM."""
     global _grouped_mm_op
     if _torch_grouped_mm() is None:
         return None
