@@ -12,7 +12,7 @@
 #               every layer (Megatron-LM's default; ours keeps the first and last in bf16)        ~8 min
 #   fp8_1p5b    GPT-2 1.5B, one micro-batch of 16 x 1024: bf16, FP8 delayed, FP8 tensorwise    ~6 min
 #   fp8_profile kernel time by kind and the GPU's idle stretches charged to the host ranges before them
-#               (--gaps), Llama-1B FP8 delayed and tensorwise                                      ~3 min
+#               (--gaps), Llama-1B FP8 delayed and tensorwise; then bf16 and tensorwise at 8 x 512   ~6 min
 #   fp8_parity [RECIPE]  300 steps of Llama-1B, bf16 and FP8 (tensorwise unless named), on ~10 MB of docstrings
 #               built there (from the packages installed there, so both arms in one call): the parity again after
 #               the forward's fast accumulation                                                   ~7 min
@@ -52,7 +52,13 @@ case "$stage" in
     for recipe in delayed tensorwise; do
       python benchmarks/profile_step.py --size llama-1b --seq 2048 --global_batch 8 --num_micro 4 \
         --mode megatron_compile --steps 3 --warmup 2 --gaps 25 --fp8 hybrid --fp8_recipe $recipe
-    done 2>&1 | tee "$out/fp8_profile.log" ;;
+    done 2>&1 | tee "$out/fp8_profile.log"
+    # the parity run's shape (8 x 512 tokens a step), where FP8 tensorwise logged 0.81x bf16: the host's share
+    # of the FP8 step at its largest, bf16 beside it
+    for fp8 in "" "--fp8 hybrid --fp8_recipe tensorwise"; do
+      python benchmarks/profile_step.py --size llama-1b --seq 512 --global_batch 8 --num_micro 1 \
+        --mode megatron_compile --steps 3 --warmup 2 --gaps 25 $fp8
+    done 2>&1 | tee "$out/fp8_profile_512.log" ;;
   fp8_parity)
     recipe=${2:-tensorwise}
     mkdir -p "$out/parity"
