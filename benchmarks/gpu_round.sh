@@ -13,6 +13,9 @@
 #   fp8_1p5b    GPT-2 1.5B, one micro-batch of 16 x 1024: bf16, FP8 delayed, FP8 tensorwise    ~6 min
 #   fp8_profile kernel time by kind and the GPU's idle stretches charged to the host ranges before them
 #               (--gaps), Llama-1B FP8 delayed and tensorwise; then bf16 and tensorwise at 8 x 512   ~6 min
+#   fp8_cpp_profile  the same profile of Llama-1B FP8 tensorwise with every layer under the C++ wrapper
+#               (--cpp_wrapper on; the engine gives FP8 layers the Python wrapper, which timed faster): where the
+#               C++ wrapper's FP8 step spends the host time it lost (--host_top, --gaps)            ~2 min
 #   fp8_parity [RECIPE]  300 steps of Llama-1B, bf16 and FP8 (tensorwise unless named), on ~10 MB of docstrings
 #               built there (from the packages installed there, so both arms in one call): the parity again after
 #               the forward's fast accumulation                                                   ~7 min
@@ -24,7 +27,7 @@
 #               launch --enable_cpu_affinity pins                                                  ~10 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | fp8_parity | steady | steady_gc | steady_pin"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | fp8_cpp_profile | fp8_parity | steady | steady_gc | steady_pin"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -59,6 +62,10 @@ case "$stage" in
       python benchmarks/profile_step.py --size llama-1b --seq 512 --global_batch 8 --num_micro 1 \
         --mode megatron_compile --steps 3 --warmup 2 --gaps 25 $fp8
     done 2>&1 | tee "$out/fp8_profile_512.log" ;;
+  fp8_cpp_profile)
+    python benchmarks/profile_step.py --size llama-1b --seq 2048 --global_batch 8 --num_micro 4 \
+      --mode megatron_compile --steps 3 --warmup 2 --gaps 25 --host_top 25 --fp8 hybrid --fp8_recipe tensorwise \
+      --cpp_wrapper on 2>&1 | tee "$out/fp8_cpp_profile.log" ;;
   fp8_parity)
     recipe=${2:-tensorwise}
     mkdir -p "$out/parity"

@@ -31,6 +31,8 @@ a slow step names its cause: a collection, a recompile, an allocator miss, or no
 says what can slow a whole run with no slow step to show (the CPU it ran on, the load, the GPU's clock and
 throttle reasons after the timed steps) and `setup_s`, the seconds before the first timed step.
 `--manual_gc N` runs the plugin with Megatron-LM's manual garbage collection (collections only every N steps).
+`--cpp_wrapper on|off` overrides which compiled layers get Inductor's C++ wrapper (all or none; default: the
+engine's choice, `engine/gpu.wants_cpp_wrapper`), to time that choice.
 
 FLOPs per token = 6 * N + 12 * L * h * s (N: parameters without position embeddings, counting a tied
 LM head once; L layers, h hidden size, s sequence length: the attention score and value matmuls,
@@ -129,6 +131,15 @@ def peft_wrap(model, cfg, r, base_dtype=None):
                                             target_modules=LORA_TARGETS[cfg.model_type]))
 
 
+def choose_cpp_wrapper(choice: str) -> None:
+    """--cpp_wrapper: "on" / "off" overrides the engine's choice of Inductor's wrapper for every compiled layer
+    of this process (the benchmark's own switch, to time that choice; "auto" leaves it to the engine)."""
+    if choice != "auto":
+        from megatron_plugin.engine import gpu
+
+        gpu.wants_cpp_wrapper = lambda layer, compile_kwargs: choice == "on"
+
+
 def build_step(args):
     """Model, optimizer and data for one mode in this process; returns (step, hf_config, world size)."""
     import torch
@@ -136,6 +147,7 @@ def build_step(args):
 
     cfg = model_config(args.size, args.seq)
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    choose_cpp_wrapper(args.cpp_wrapper)
     torch.manual_seed(0)
     auto = {"bert": AutoModelForMaskedLM, "t5": AutoModelForSeq2SeqLM}.get(cfg.model_type, AutoModelForCausalLM)
     with torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))):
@@ -251,6 +263,8 @@ def measure(args):
         variant += f" fp8={args.fp8}/{args.fp8_recipe}" + (" all layers" if args.fp8_all_layers else "")
     if args.manual_gc is not None and args.mode.startswith("megatron"):
         variant += f" manual_gc={args.manual_gc}"
+    if args.cpp_wrapper != "auto" and args.mode == "megatron_compile":
+        variant += f" cpp_wrapper={args.cpp_wrapper}"
     if args.num_micro > 1:
         variant += f" ({args.num_micro} micro-batches)"
     result = {
@@ -274,6 +288,7 @@ def drive(args):
             cmd += ["--fp8", args.fp8, "--fp8_recipe", args.fp8_recipe] if args.fp8 else []
             cmd += ["--fp8_all_layers"] if args.fp8 and args.fp8_all_layers else []
             cmd += ["--manual_gc", str(args.manual_gc)] if args.manual_gc is not None else []
+            cmd += ["--cpp_wrapper", args.cpp_wrapper]
             cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion") if getattr(args, flag)]
             if args.nproc > 1:
                 cmd = ["torchrun", "--nproc-per-node", str(args.nproc)] + cmd[1:]
@@ -324,6 +339,9 @@ def parser(description=__doc__.splitlines()[0]):
     p.add_argument("--manual_gc", type=int, default=None, metavar="N",
                    help="megatron: MegatronLMPlugin(manual_gc=True, manual_gc_interval=N): Python's collector off, "
                         "a collection every N steps (0: none between steps)")
+    p.add_argument("--cpp_wrapper", default="auto", choices=["auto", "on", "off"],
+                   help="megatron_compile: Inductor's C++ wrapper for every compiled layer (on), for none (off), or as "
+                        "the engine chooses (auto: engine/gpu.wants_cpp_wrapper); to time the choice, one GPU only")
     p.add_argument("--sp", action="store_true")
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--recompute", action="store_true")

@@ -124,3 +124,23 @@ def test_host_report_says_where_the_run_ran(monkeypatch):
     got = bench_steps.host_report(0)
     assert (got["sm_mhz"], got["power_w"], got["throttle"]) == ("1980", "612.31", "0x0000000000000000")
     assert len(seen) == 2 and seen[1][0] == "nvidia-smi" and seen[1][-2:] == ["-i", "1"]
+
+
+def test_cpp_wrapper_switch_overrides_the_engines_choice(monkeypatch):
+    """train_throughput/profile_step --cpp_wrapper: "on" and "off" decide the wrapper of every compiled layer in the
+    process (so one run can time FP8 layers under the C++ wrapper the engine does not give them); "auto" leaves the
+    engine's own rule in place."""
+    from train_throughput import choose_cpp_wrapper, parser
+
+    from megatron_plugin.engine import gpu
+
+    engine_rule = gpu.wants_cpp_wrapper
+    monkeypatch.setattr(gpu, "wants_cpp_wrapper", engine_rule)  # restored after the test
+    assert parser("x").parse_args([]).cpp_wrapper == "auto"
+    choose_cpp_wrapper("auto")
+    assert gpu.wants_cpp_wrapper is engine_rule
+    for choice, want in (("on", True), ("off", False)):
+        choose_cpp_wrapper(choice)
+        assert gpu.wants_cpp_wrapper(torch.nn.Linear(2, 2), {}) is want
+    with pytest.raises(SystemExit):
+        parser("x").parse_args(["--cpp_wrapper", "yes"])
