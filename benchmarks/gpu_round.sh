@@ -15,7 +15,8 @@
 #               (--gaps), Llama-1B FP8 delayed and tensorwise; then bf16 and tensorwise at 8 x 512   ~6 min
 #   fp8_cpp_profile  the same profile of Llama-1B FP8 tensorwise with every layer under the C++ wrapper
 #               (--cpp_wrapper on; the engine gives FP8 layers the Python wrapper, which timed faster): where the
-#               C++ wrapper's FP8 step spends the host time it lost (--host_top, --gaps)            ~2 min
+#               C++ wrapper's FP8 step spends the time it lost (--host_top, --gaps); then the Python wrapper
+#               without mix-order reduction fusion (which torch 2.11's C++ wrapper turns off), timed  ~4 min
 #   fp8_parity [RECIPE]  300 steps of Llama-1B, bf16 and FP8 (tensorwise unless named), on ~10 MB of docstrings
 #               built there (from the packages installed there, so both arms in one call): the parity again after
 #               the forward's fast accumulation                                                   ~7 min
@@ -65,7 +66,11 @@ case "$stage" in
   fp8_cpp_profile)
     python benchmarks/profile_step.py --size llama-1b --seq 2048 --global_batch 8 --num_micro 4 \
       --mode megatron_compile --steps 3 --warmup 2 --gaps 25 --host_top 25 --fp8 hybrid --fp8_recipe tensorwise \
-      --cpp_wrapper on 2>&1 | tee "$out/fp8_cpp_profile.log" ;;
+      --cpp_wrapper on 2>&1 | tee "$out/fp8_cpp_profile.log"
+    # torch 2.11 turns Inductor's mix-order reduction fusion off under the C++ wrapper (scheduler.py: "not supported
+    # with cpp_wrapper yet"): the Python wrapper without it, timed, says whether that is what the C++ wrapper cost
+    TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 $T --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 4 \
+      --modes megatron_compile --steps 8 --warmup 2 --fp8 hybrid --fp8_recipe tensorwise 2>&1 | tee -a "$out/fp8_cpp_profile.log" ;;
   fp8_parity)
     recipe=${2:-tensorwise}
     mkdir -p "$out/parity"
