@@ -203,7 +203,8 @@ def compile_backend(compile_kwargs: dict):
 
 def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
     """Whether this compiled layer wants Inductor's C++ wrapper: any transformer layer without collectives
-    inside it (TP, CP and expert parallelism all 1), unless the user chose a mode, options or another backend.
+    inside it (TP, CP and expert parallelism all 1) and without FP8 linears, unless the user chose a mode, options
+    or another backend.
     A compiled layer's step is bound by the host launching its kernels, one Python call each with the default
     wrapper; the C++ wrapper launches them without (one H100: GPT-2 124M 432,084 tok/s against 293,522;
     Qwen3-MoE's shape 72,142 against 53,478-54,771; Llama-1B, full or LoRA, GPU-bound, unchanged: BENCHMARKS.md).
