@@ -7,7 +7,7 @@
 # benchmarks are in the logs (`grep RESULT`), the markdown tables at their ends.
 #
 #   fp8_tests   tests/gpu/test_fp8_gpu.py (every recipe, eager and compiled, tracks bf16; cached weights dropped
-#               after each step; weight gradients through main_grad; C++ wrapper against Python wrapper)  ~7 min
+#               after each step; weight gradients through main_grad; C++ wrapper against Python wrapper)  ~5 min
 #   fp8_llama   Llama-1B shape, 4 micro-batches of 2 x 2048: bf16, FP8 delayed, FP8 tensorwise, FP8 delayed in
 #               every layer (Megatron-LM's default; ours keeps the first and last in bf16)        ~8 min
 #   fp8_1p5b    GPT-2 1.5B, one micro-batch of 16 x 1024: bf16, FP8 delayed, FP8 tensorwise    ~6 min
@@ -20,12 +20,12 @@
 #   fp8_parity [RECIPE]  300 steps of Llama-1B, bf16 and FP8 (tensorwise unless named), on ~10 MB of docstrings
 #               built there (from the packages installed there, so both arms in one call): the parity again after
 #               the forward's fast accumulation                                                   ~7 min
-#   steady      GPT-2 124M, five runs back to back, with the host
+#   steady      GPT-2 124M, five runs back to back (200 timed steps each), with the host
 #               and GPU telemetry that can explain a slow run (clocks and power each second, which CPU each
-#               run was on, the load, the GPU's NUMA-local CPUs)                                  ~10 min
-#   steady_gc   the same five with manual_gc (Megatron-LM's manual garbage collection)            ~10 min
+#               run was on, the load, the GPU's NUMA-local CPUs)                                  ~8 min
+#   steady_gc   the same five with manual_gc (Megatron-LM's manual garbage collection)            ~8 min
 #   steady_pin  the same five, each process pinned to the GPU's NUMA-local CPUs (taskset), as accelerate
-#               launch --enable_cpu_affinity pins                                                  ~10 min
+#               launch --enable_cpu_affinity pins (half the CPUs where there is one NUMA node)    ~8 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | fp8_cpp_profile | fp8_parity | steady | steady_gc | steady_pin"}
