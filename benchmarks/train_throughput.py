@@ -131,9 +131,14 @@ def peft_wrap(model, cfg, r, base_dtype=None):
                                             target_modules=LORA_TARGETS[cfg.model_type]))
 
 
-def choose_cpp_wrapper(choice: str) -> None:
+def choose_cpp_wrapper(choice: str, tp: int = 1, cp: int = 1) -> None:
     """--cpp_wrapper: "on" / "off" overrides the engine's choice of Inductor's wrapper for every compiled layer
-    of this process (the benchmark's own switch, to time that choice; "auto" leaves it to the engine)."""
+    of this process (the benchmark's own switch, to time that choice; "auto" leaves it to the engine). "on" only
+    without collectives inside the layers: the C++ wrapper runs each graph once more while compiling it, and a
+    collective in it would then run on this rank alone (engine/gpu.wants_cpp_wrapper)."""
+    if choice == "on" and (tp > 1 or cp > 1):
+        raise SystemExit(f"--cpp_wrapper on with --tp {tp} --cp {cp}: the layers' collectives would run an extra "
+                         "time on one rank while compiling; use --cpp_wrapper auto (or off) with TP or CP > 1")
     if choice != "auto":
         from megatron_plugin.engine import gpu
 
@@ -147,7 +152,7 @@ def build_step(args):
 
     cfg = model_config(args.size, args.seq)
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    choose_cpp_wrapper(args.cpp_wrapper)
+    choose_cpp_wrapper(args.cpp_wrapper, args.tp, args.cp)
     torch.manual_seed(0)
     auto = {"bert": AutoModelForMaskedLM, "t5": AutoModelForSeq2SeqLM}.get(cfg.model_type, AutoModelForCausalLM)
     with torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))):
