@@ -349,6 +349,34 @@ def test_compiled_step_copies_equal_eager(recipe):
     assert counters["stats"]["unique_graphs"] <= 2, counters["stats"]
 
 
+def test_compiled_step_copies_reach_the_layers_with_static_shapes():
+    """The step's copies come out of one graph for every weight shape (dynamic sizes), and AOTAutograd marks such
+    outputs dynamic for the next graph that takes them: the compiled layers then had symbolic weight sizes, and
+    their elementwise kernels ran up to 4x slower on an H200. A graph that takes the cached copies must see their
+    sizes as plain ints."""
+    from megatron_plugin.layers import fp8
+    from megatron_plugin.layers.fp8 import cache_weights
+
+    torch._dynamo.reset()
+    fp8._compiled_step_copy.clear()
+    r = FP8Recipe(fmt="hybrid", recipe="tensorwise")
+    states = [FP8State(r, "cpu") for _ in range(2)]
+    for st, shape in zip(states, [(48, 64), (96, 32)]):  # two shapes: the copy's graph turns dynamic
+        st.weight = torch.nn.Parameter(torch.randn(*shape).bfloat16())
+    cache_weights(states, compiled="inductor")
+    seen = []
+
+    def backend(gm, example_inputs):
+        seen.extend(example_inputs)
+        return gm
+
+    for st in states:  # each as a first call (a second shape would turn the graph dynamic by itself)
+        torch._dynamo.reset()
+        torch.compile(lambda wq, wt: wq.float().sum(0) + wt.float().sum(1), backend=backend)(st.cached[0], st.cached[2])
+    sizes = [s for t in seen if torch.is_tensor(t) for s in t.shape]
+    assert seen and all(type(s) is int for s in sizes) and not any(isinstance(t, torch.SymInt) for t in seen), seen
+
+
 @pytest.mark.parametrize("recipe,wgrad", [("tensorwise", True), ("delayed", True), ("tensorwise", False),
                                           ("rowwise", True)], ids=["tensorwise", "delayed", "bf16_wgrad", "rowwise"])
 def test_weight_gradient_into_main_grad(recipe, wgrad, cpu_fused_wgrad):

@@ -217,10 +217,11 @@ def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
     moe = [m for m in layer.modules() if isinstance(m, MoELayer)]
     c = moe[0].config if moe else getattr(layer, "config", None)
     if c is None or any(fp8_state_of(m) is not None for m in layer.modules()):
-        # FP8 layers keep the Python wrapper: timed on one H200 (Llama-1B, 4 micro-batches of 2 x 2048), the C++
-        # wrapper was slower (tensorwise 58,474 tok/s against 68,657; delayed 57,301 against 60,590: BENCHMARKS.md),
-        # though its numbers are the Python wrapper's bit for bit (tests/test_fp8.py::
-        # test_cpp_wrapper_equals_python_wrapper; on a GPU tests/gpu/test_fp8_gpu.py)
+        # FP8 layers keep the Python wrapper, the one their GPU tests train with. On one H200 (Llama-1B, 4
+        # micro-batches of 2 x 2048) the C++ wrapper first timed slower (tensorwise 58,474 tok/s against 68,657),
+        # while the step's weight copies made these graphs' weight sizes symbolic (fixed in layers/fp8.
+        # cache_weights); since then the two time the same (68,138 against 68,438: BENCHMARKS.md), and their numbers
+        # agree bit for bit (tests/test_fp8.py::test_cpp_wrapper_equals_python_wrapper)
         return False
     return (c.tensor_model_parallel_size == 1 and (c.context_parallel_size or 1) == 1
             and (c.expert_model_parallel_size or 1) == 1 and (c.expert_tensor_parallel_size or 1) == 1)

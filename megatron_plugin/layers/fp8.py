@@ -404,7 +404,7 @@ def cache_weights(states: List[FP8State], compiled=None) -> None:
     if compiled:
         if compiled not in _compiled_step_copy:
             # the Python wrapper even where another run set the C++ one for the process, as the FP8 layers have
-            # (the C++ wrapper timed slower with FP8 graphs: engine/gpu.wants_cpp_wrapper)
+            # (engine/gpu.wants_cpp_wrapper)
             options = {"cpp_wrapper": False} if compiled == "inductor" else None
             _compiled_step_copy[compiled] = torch.compile(_step_copy, fullgraph=True, backend=compiled,
                                                           options=options)
@@ -418,7 +418,14 @@ def cache_weights(states: List[FP8State], compiled=None) -> None:
                 weight = weight.detach()
                 torch._dynamo.maybe_mark_dynamic(weight, 0)
                 torch._dynamo.maybe_mark_dynamic(weight, 1)
-            st.cached = fn(weight, st.recipe, st.scale, st.history, st.settled)
+            cached = fn(weight, st.recipe, st.scale, st.history, st.settled)
+            if compiled:
+                # AOTAutograd marks a dynamic graph's outputs dynamic for the next graph that takes them
+                # (`_dynamo_propagated_dynamic_indices`): the FP8 layers then compiled with symbolic weight sizes,
+                # and their elementwise kernels (runtime div/mod, no vector loads) ran up to 4x slower (SwiGLU's
+                # backward 0.61 ms against bf16's 0.16, H200, 2026-11-29). Detached aliases carry no mark.
+                cached = tuple(t.detach() if t is not None else None for t in cached)
+            st.cached = cached
 
 
 def drop_weight_cache(states: List[FP8State]) -> None:
