@@ -13,22 +13,24 @@
 #   fp8_1p5b    GPT-2 1.5B, one micro-batch of 16 x 1024: bf16, FP8 delayed, FP8 tensorwise    ~6 min
 #   fp8_profile kernel time by kind and the GPU's idle stretches charged to the host ranges before them
 #               (--gaps), Llama-1B FP8 delayed and tensorwise; then bf16 and tensorwise at 8 x 512   ~6 min
-#   fp8_cpp_profile  the same profile of Llama-1B FP8 tensorwise with every layer under the C++ wrapper
-#               (--cpp_wrapper on; the engine gives FP8 layers the Python wrapper, which timed faster): where the
-#               C++ wrapper's FP8 step spends the time it lost (--host_top, --gaps); then the Python wrapper
-#               without mix-order reduction fusion (which torch 2.11's C++ wrapper turns off), timed  ~4 min
+#   fp8_wrappers  FP8 tensorwise under each Inductor wrapper, now that the FP8 layer graphs have static sizes
+#               (the C++ wrapper's earlier 40 ms loss came with symbolic sizes): at 8 x 512 tokens, where the FP8 step
+#               waits on the host (0.81x bf16 before), bf16 beside it; then delayed at 2 x 2048 under the C++ one  ~7 min
 #   fp8_parity [RECIPE]  300 steps of Llama-1B, bf16 and FP8 (tensorwise unless named), on ~10 MB of docstrings
 #               built there (from the packages installed there, so both arms in one call): the parity again after
 #               the forward's fast accumulation                                                   ~7 min
+# Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 #   steady      GPT-2 124M, five runs back to back (200 timed steps each), with the host
 #               and GPU telemetry that can explain a slow run (clocks and power each second, which CPU each
 #               run was on, the load, the GPU's NUMA-local CPUs)                                  ~8 min
 #   steady_gc   the same five with manual_gc (Megatron-LM's manual garbage collection)            ~8 min
 #   steady_pin  the same five, each process pinned to the GPU's NUMA-local CPUs (taskset), as accelerate
 #               launch --enable_cpu_affinity pins (half the CPUs where there is one NUMA node)    ~8 min
+#   steady_graphs  the same five with CUDA graphs (accelerate's TorchDynamoPlugin(mode="reduce-overhead")): the host
+#               launches a graph per layer instead of its kernels, so a slow host stretch need not reach the GPU  ~8 min
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | fp8_cpp_profile | fp8_parity | steady | steady_gc | steady_pin"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -39,6 +41,11 @@ else
 fi
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv | tee "$out/gpu.txt"
+# the GPU's power and clocks each second, every stage: a busy H200 runs at its 700 W cap with the SM clock ~12% down,
+# which a timed run (GPU busy throughout) feels and a profiled one (host slowed by the profiler) may not
+nvidia-smi dmon -s pc -o T > "$out/${stage}_dmon.log" 2>&1 &
+dmon=$!
+trap 'kill $dmon 2>/dev/null' EXIT
 T="python benchmarks/train_throughput.py"
 case "$stage" in
   fp8_tests)
@@ -63,14 +70,13 @@ case "$stage" in
       python benchmarks/profile_step.py --size llama-1b --seq 512 --global_batch 8 --num_micro 1 \
         --mode megatron_compile --steps 3 --warmup 2 --gaps 25 $fp8
     done 2>&1 | tee "$out/fp8_profile_512.log" ;;
-  fp8_cpp_profile)
-    python benchmarks/profile_step.py --size llama-1b --seq 2048 --global_batch 8 --num_micro 4 \
-      --mode megatron_compile --steps 3 --warmup 2 --gaps 25 --host_top 25 --fp8 hybrid --fp8_recipe tensorwise \
-      --cpp_wrapper on 2>&1 | tee "$out/fp8_cpp_profile.log"
-    # torch 2.11 turns Inductor's mix-order reduction fusion off under the C++ wrapper (scheduler.py: "not supported
-    # with cpp_wrapper yet"): the Python wrapper without it, timed, says whether that is what the C++ wrapper cost
-    TORCHINDUCTOR_MIX_ORDER_REDUCTION=0 $T --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 4 \
-      --modes megatron_compile --steps 8 --warmup 2 --fp8 hybrid --fp8_recipe tensorwise 2>&1 | tee -a "$out/fp8_cpp_profile.log" ;;
+  fp8_wrappers)
+    L="--sizes llama-1b --modes megatron_compile --steps 8 --warmup 2"
+    for arm in "" "--fp8 hybrid --fp8_recipe tensorwise" "--fp8 hybrid --fp8_recipe tensorwise --cpp_wrapper on"; do
+      $T $L --seq 512 --global_batch 8 --num_micro 1 $arm
+    done 2>&1 | tee "$out/fp8_wrappers.log"
+    $T $L --seq 2048 --global_batch 8 --num_micro 4 --fp8 hybrid --fp8_recipe delayed --cpp_wrapper on 2>&1 \
+      | tee -a "$out/fp8_wrappers.log" ;;
   fp8_parity)
     recipe=${2:-tensorwise}
     mkdir -p "$out/parity"
@@ -79,9 +85,10 @@ case "$stage" in
       --out "$out/parity" 2>&1 | tee "$out/fp8_parity.log"
     python benchmarks/fp8_parity.py --table "$out/parity" | tee -a "$out/fp8_parity.log"
     rm -rf "$out/parity/data" "$out/docstrings.txt" ;;
-  steady|steady_gc|steady_pin)
+  steady|steady_gc|steady_pin|steady_graphs)
     extra="" ; pin=""
     [ "$stage" = steady_gc ] && extra="--manual_gc 0"
+    [ "$stage" = steady_graphs ] && extra="--compile_mode reduce-overhead"
     bus=$(nvidia-smi --query-gpu=pci.bus_id --format=csv,noheader | head -1 | tr 'A-F' 'a-f' | sed 's/^0000//')
     local_cpus=$(cat "/sys/bus/pci/devices/$bus/local_cpulist" 2>/dev/null)
     { echo "GPU $bus, NUMA-local CPUs: ${local_cpus:-unknown}, this shell's: $(taskset -pc $$ 2>/dev/null)"
@@ -94,8 +101,6 @@ case "$stage" in
       pin="taskset -c $local_cpus"
       echo "pinned to CPUs $local_cpus" | tee -a "$out/${stage}_host.txt"
     fi
-    nvidia-smi dmon -s pc -o T > "$out/${stage}_dmon.log" 2>&1 &
-    dmon=$!
     # no separate run to fill the compile cache: compiling happens in the warm-up steps, outside the timed window
     # (a recompile inside it would show in step_events), and five runs of ~80 s then fit one call. 200 timed steps
     # (~7 s): with 30 (~1 s) one host stall of six steps moved a run by 6% (steady_pin, 2026-11-29), and the GPU
@@ -104,7 +109,6 @@ case "$stage" in
       echo "run $i starts $(date +%T), load $(cut -d' ' -f1-3 /proc/loadavg)"
       $pin $T --sizes 124m --modes megatron_compile --steps 200 --warmup 10 $extra
     done 2>&1 | tee "$out/$stage.log"
-    kill $dmon
     grep '^{' "$out/$stage.log" | python -c '
 import json, sys
 rows = [json.loads(l) for l in sys.stdin]
