@@ -886,9 +886,18 @@ def test_compiled_layers_run_the_fp8_linears():
 def _compiled_layers_as_the_engine_runs_them():
     """Eager against compiled layers, both as the CUDA engine runs FP8 linears: main_grads written first by the
     step's first micro-batch (gradient_accumulation_fusion), the weights quantized once a step, delayed states
-    settled after the first step. Three steps of two micro-batches."""
+    settled after the first step. Three steps of two micro-batches. Compiled, the step's copies are compiled too,
+    as the engine compiles them (with the layers' backend); the layers' graphs record their inputs."""
+    from torch._dynamo.backends.registry import lookup_backend
+
     from megatron_plugin.layers.fp8 import attach_fp8, cache_weights, drop_weight_cache, settle, state_of
     from tests.models import megatron_twin, tiny_gpt2
+
+    layer_inputs = []
+
+    def recording(gm, example_inputs):
+        layer_inputs.extend(example_inputs)
+        return lookup_backend("aot_eager")(gm, example_inputs)
 
     plugin = MegatronLMPlugin(fp8="e4m3", fp8_recipe="delayed")
     g = torch.Generator().manual_seed(1)
@@ -908,14 +917,14 @@ def _compiled_layers_as_the_engine_runs_them():
             m.weight.main_grad = torch.zeros(m.weight.shape)
         if compiled:
             for layer in model.module.decoder.layers:
-                layer.compile(backend="aot_eager")
+                layer.compile(backend=recording)
         losses, grads = [], []
         for step in range(3):
             model.zero_grad()
             for m in linears:
                 m.weight.main_grad.fill_(float("nan"))  # the engine leaves these unzeroed: the first GEMM writes
                 m.weight.main_grad.write_first = True
-            cache_weights(states)
+            cache_weights(states, compiled="aot_eager" if compiled else None)
             for ids, labels in batches[2 * step: 2 * step + 2]:
                 loss = model(ids, labels=labels).sum()
                 loss.backward()
@@ -929,15 +938,22 @@ def _compiled_layers_as_the_engine_runs_them():
     (le, ge, pe, se, ne), (lc, gc, pc, sc, nc) = runs
     grad_diff = max((a[n] - b[n]).abs().max().item() for a, b in zip(ge, gc) for n in a)
     nan = any(t.isnan().any().item() for step in gc for t in step.values())
-    return dict(losses=(le, lc), grad_diff=grad_diff, nan=nan, placeholders=(pe, pc), settled=(se, sc), n=(ne, nc))
+    # the layers' graphs take the step's copies with their sizes as plain ints (a symbolic size made the GPU's
+    # kernels up to 4x slower: layers/fp8.cache_weights)
+    symbolic = [t for t in layer_inputs if isinstance(t, torch.SymInt)
+                or (torch.is_tensor(t) and not all(type(d) is int for d in t.shape))]
+    return dict(losses=(le, lc), grad_diff=grad_diff, nan=nan, placeholders=(pe, pc), settled=(se, sc), n=(ne, nc),
+                layer_graphs=len(layer_inputs) > 0, symbolic=len(symbolic))
 
 
 def test_compiled_layers_as_the_engine_runs_them():
     """The FP8 linears in compiled transformer layers (aot_eager on CPU) with the engine's cached weights and
-    main_grad writes: the same losses and main_grads as eager, bit for bit, three steps of delayed scaling."""
+    main_grad writes: the same losses and main_grads as eager, bit for bit, three steps of delayed scaling; the
+    layers' graphs compiled with static sizes though the step's copies come from a graph with dynamic ones."""
     ((got,),) = (run_on_ranks(_compiled_layers_as_the_engine_runs_them, 1),)
     assert got["losses"][0] == got["losses"][1] and got["grad_diff"] == 0.0 and not got["nan"], got
     assert got["placeholders"] == (True, True) and got["settled"] == (True, True) and got["n"] == (8, 8)
+    assert got["layer_graphs"] and got["symbolic"] == 0, got
 
 
 # -- benchmarks/fp8_parity.py: its logic on CPU (the FP8 arms need a GPU) -----------------------------------
