@@ -90,8 +90,11 @@ class StepWatch:
     """What else happened in each timed step, so that a slow one in `step_ms` names its cause: CPython's
     collections of generation 2 (any length) and 1 (over 1 ms), Dynamo frames compiled (a recompile), the host's
     time per step (a host stall shows there), and over the whole window the CUDA caching allocator's new
-    cudaMallocs and its retries (an allocator miss: a retry frees the cache and synchronizes). Cheap enough for
-    timed runs: a GC callback, a counter read and a clock read per step; the allocator is read twice.
+    cudaMallocs and its retries (an allocator miss: a retry frees the cache and synchronizes). `sync_wait_ms`: the
+    host's time per step inside `torch.cuda.Event.synchronize`, where the engine's one sync a step waits for the
+    batch check's flags (engine/batch_check.DeferredCheck): near 0 in a step the host bounds (the GPU was already
+    there), the host's slack in one the GPU bounds. Cheap enough for timed runs: a GC callback, a counter read and
+    a clock read per step, two around each event wait; the allocator is read twice.
 
         with StepWatch(cuda) as watch:
             for i in range(steps):
@@ -107,6 +110,8 @@ class StepWatch:
         self.host_ms = []
         self.gc_ms = 0.0  # every collection's time, and how many were full ones
         self.gc_full = 0
+        self.sync_wait_ms = []
+        self._wait = 0.0
 
     @staticmethod
     def _frames():
@@ -134,8 +139,21 @@ class StepWatch:
     def __enter__(self):
         import gc
 
+        import torch
+
         self._gc_start = time.perf_counter()
         gc.callbacks.append(self._on_gc)
+        # the event waits, timed: torch.cuda.Event.synchronize is a Python method, wrapped for the window
+        self._synchronize = wait = torch.cuda.Event.synchronize
+
+        def timed_wait(event):
+            t = time.perf_counter()
+            try:
+                return wait(event)
+            finally:
+                self._wait += time.perf_counter() - t
+
+        torch.cuda.Event.synchronize = timed_wait
         self._frames0 = self._last_frames = self._frames()
         self._alloc0 = self._allocator() if self.cuda else None
         self._t = time.perf_counter()
@@ -146,6 +164,8 @@ class StepWatch:
         now = time.perf_counter()
         self.host_ms.append(round((now - self._t) * 1e3, 1))
         self._t = now
+        self.sync_wait_ms.append(round(self._wait * 1e3, 1))
+        self._wait = 0.0
         frames = self._frames()
         if frames != self._last_frames:
             self.events.append((i, f"{frames - self._last_frames} Dynamo frame(s) compiled"))
@@ -155,14 +175,17 @@ class StepWatch:
     def __exit__(self, *exc):
         import gc
 
+        import torch
+
         gc.callbacks.remove(self._on_gc)
+        torch.cuda.Event.synchronize = self._synchronize
         if self.cuda:
             now = self._allocator()
             self.allocator = {k: now[k] - self._alloc0[k] for k in now}
         return False
 
     def report(self) -> dict:
-        out = {"host_ms": self.host_ms, "step_events": [list(e) for e in self.events],
+        out = {"host_ms": self.host_ms, "sync_wait_ms": self.sync_wait_ms, "step_events": [list(e) for e in self.events],
                "gc_ms": round(self.gc_ms, 1), "gc_full": self.gc_full}
         if self.cuda:
             out["allocator"] = self.allocator

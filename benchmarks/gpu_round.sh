@@ -116,7 +116,9 @@ tok = [r["tok_s"] for r in rows]
 print(rows[0]["mode"] + f": {tok} spread {(max(tok) - min(tok)) / max(tok):.1%}")
 for r in rows:
     steps = sorted(r["step_ms"])
-    print("  " + format(r["tok_s"], ">8,"), "tok/s, median step", steps[len(steps) // 2], "ms, host", r.get("host"), "events", r["step_events"])
+    waits = sorted(r.get("sync_wait_ms") or [0])
+    print("  " + format(r["tok_s"], ">8,"), "tok/s, median step", steps[len(steps) // 2], "ms, median sync wait",
+          waits[len(waits) // 2], "ms, host", r.get("host"), "events", r["step_events"])
 ' | tee "$out/${stage}_summary.txt" ;;
   *)
     echo "unknown stage $stage" >&2; exit 2 ;;

@@ -25,7 +25,8 @@ the hf modes ignore it); the MFU column still divides by the bf16 peak: compare 
 `static_mem_gib` is what is allocated before the first step (weights, optimizer state); the TFLOP/s and MFU
 columns still count 6N per token, which a LoRA step does not do (no base weight gradients): compare tok/s.
 Beside `step_ms` (each timed step's span on the GPU's timeline) the JSON line says what else happened in each
-step (bench_steps.StepWatch): `host_ms` (the host's time per step), `step_events` ([step, "gc gen2 87.0 ms"],
+step (bench_steps.StepWatch): `host_ms` (the host's time per step), `sync_wait_ms` (of it, the time waiting for
+the GPU in the engine's one sync a step: ~0 where the host bounds the step), `step_events` ([step, "gc gen2 87.0 ms"],
 [step, "1 Dynamo frame(s) compiled"]) and `allocator` (new cudaMallocs and retries in the timed window), so that
 a slow step names its cause: a collection, a recompile, an allocator miss, or none of them (host jitter); `host`
 says what can slow a whole run with no slow step to show (the CPU it ran on, the load, the GPU's clock and

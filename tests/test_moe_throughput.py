@@ -64,12 +64,19 @@ def test_hf_and_plugin_modes_train_alike_on_cpu(tmp_path):
 
 def test_step_watch_names_what_happened_in_which_step():
     """bench_steps.StepWatch (train_throughput's and moe_throughput's per-step events): a full collection and a
-    new compile are charged to the steps they happened in, the host time of each step is kept, and timed_steps
-    hands the report over."""
+    new compile are charged to the steps they happened in, the host time of each step is kept, so is its time
+    waiting in CUDA event syncs (the engine's one sync a step), and timed_steps hands the report over."""
     import gc
     import time
 
     from bench_steps import timed_steps
+
+    # a stand-in for the CUDA event wait (no GPU here): 30 ms, which the watch must charge to step 2 only
+    def slow_wait(event):
+        time.sleep(0.03)
+
+    real_wait = torch.cuda.Event.synchronize
+    torch.cuda.Event.synchronize = slow_wait
 
     double = torch.compile(lambda x: x * 2, backend="eager")
     seen = []
@@ -81,12 +88,18 @@ def test_step_watch_names_what_happened_in_which_step():
             double(torch.ones(3))  # a first compile
         if i == 3:
             gc.collect()  # a full collection
+        if i == 2:
+            torch.cuda.Event.synchronize(None)  # the step waits for the GPU
         if i == 4:
             time.sleep(0.05)  # a host stall
         return torch.tensor(float(i))
 
     events = {}
-    dt, step_ms, peak, losses = timed_steps(step, 6, torch.device("cpu"), events=events)
+    try:
+        dt, step_ms, peak, losses = timed_steps(step, 6, torch.device("cpu"), events=events)
+        assert torch.cuda.Event.synchronize is slow_wait  # put back after the window
+    finally:
+        torch.cuda.Event.synchronize = real_wait
     assert losses == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and peak is None
     got = events["step_events"]
     assert [i for i, what in got if what == "1 Dynamo frame(s) compiled"] == [1], got
@@ -95,6 +108,8 @@ def test_step_watch_names_what_happened_in_which_step():
     assert events["gc_full"] >= 1 and events["gc_ms"] > 0
     host = events["host_ms"]
     assert len(host) == 6 and host[4] >= 50 and max(host[0], host[2], host[5]) < 50, host
+    wait = events["sync_wait_ms"]
+    assert len(wait) == 6 and wait[2] >= 30 and max(wait[:2] + wait[3:]) == 0.0, wait
     assert "allocator" not in events  # CUDA only
 
 
