@@ -421,9 +421,10 @@ def cache_weights(states: List[FP8State], compiled=None) -> None:
             cached = fn(weight, st.recipe, st.scale, st.history, st.settled)
             if compiled:
                 # AOTAutograd marks a dynamic graph's outputs dynamic for the next graph that takes them
-                # (`_dynamo_propagated_dynamic_indices`): the FP8 layers then compiled with symbolic weight sizes,
-                # and their elementwise kernels (runtime div/mod, no vector loads) ran up to 4x slower (SwiGLU's
-                # backward 0.61 ms against bf16's 0.16, H200, 2026-11-29). Detached aliases carry no mark.
+                # (torch 2.11: `_dynamo_weak_dynamic_indices`; 2.13: `_dynamo_propagated_dynamic_indices`): the FP8
+                # layers then compiled with symbolic weight sizes, and their elementwise kernels (run-time div/mod,
+                # no vector loads) ran up to 4x slower (SwiGLU's backward 0.61 ms against bf16's 0.16, H200,
+                # 2026-11-29). Detached aliases carry no mark.
                 cached = tuple(t.detach() if t is not None else None for t in cached)
             st.cached = cached
 
