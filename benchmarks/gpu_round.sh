@@ -19,7 +19,6 @@
 #   fp8_parity [RECIPE]  300 steps of Llama-1B, bf16 and FP8 (tensorwise unless named), on ~10 MB of docstrings
 #               built there (from the packages installed there, so both arms in one call): the parity again after
 #               the forward's fast accumulation                                                   ~7 min
-# Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 #   steady      GPT-2 124M, five runs back to back (200 timed steps each), with the host
 #               and GPU telemetry that can explain a slow run (clocks and power each second, which CPU each
 #               run was on, the load, the GPU's NUMA-local CPUs)                                  ~8 min
@@ -28,6 +27,7 @@
 #               launch --enable_cpu_affinity pins (half the CPUs where there is one NUMA node)    ~8 min
 #   steady_graphs  the same five with CUDA graphs (accelerate's TorchDynamoPlugin(mode="reduce-overhead")): the host
 #               launches a graph per layer instead of its kernels, so a slow host stretch need not reach the GPU  ~8 min
+# Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs"}

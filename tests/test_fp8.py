@@ -546,7 +546,7 @@ def test_compiled_cached_weights_and_fused_wgrad_equal_eager(recipe, backend, mo
 @pytest.mark.parametrize("recipe", RECIPES)
 def test_cpp_wrapper_equals_python_wrapper(recipe, monkeypatch, cpu_fused_wgrad):
     """Inductor's C++ wrapper (what the CUDA engine compiles bf16 layers with where no collective runs in them;
-    FP8 layers keep the Python wrapper, which timed faster for them: engine/gpu.wants_cpp_wrapper) against its
+    FP8 layers keep the Python wrapper: engine/gpu.wants_cpp_wrapper) against its
     Python wrapper, three engine steps of two micro-batches (weights cached, main_grad
     written first, settled after the first step): the same outputs, input gradients, main_grads, delayed
     histories and scales bit for bit, so the in-graph state updates and the custom ops (scale snapshots,

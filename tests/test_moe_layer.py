@@ -536,7 +536,8 @@ def _compile_kwargs_worker():
 def test_layers_compile_with_the_cpp_wrapper():
     """The CUDA engine compiles transformer layers (MoE or dense) with Inductor's C++ wrapper (the step is bound by
     kernel launches on the host) when no collective runs inside them (TP, CP, EP 1) and they are not FP8 layers
-    (the C++ wrapper timed slower for those on an H200), unless the user chose a mode, options or another backend."""
+    (those keep the Python wrapper, which their GPU tests cover), unless the user chose a mode, options or another
+    backend."""
     (got,) = run_on_ranks(_compile_kwargs_worker, 1)
     assert got == dict(dense_layer=True, dense_tp2=False, dense_cp2=False, dense_user_mode=False, dense_fp8=False,
                        plain=True, default_mode=True, user_mode=False, user_options=False, other_backend=False, dense=False), got

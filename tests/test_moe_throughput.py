@@ -62,7 +62,7 @@ def test_hf_and_plugin_modes_train_alike_on_cpu(tmp_path):
         assert (tmp_path / "prof" / f"qwen3-moe-tiny_{mode}_trace.json.gz").stat().st_size > 1000
 
 
-def test_step_watch_names_what_happened_in_which_step():
+def test_step_watch_names_what_happened_in_which_step(monkeypatch):
     """bench_steps.StepWatch (train_throughput's and moe_throughput's per-step events): a full collection and a
     new compile are charged to the steps they happened in, the host time of each step is kept, so is its time
     waiting in CUDA event syncs (the engine's one sync a step), and timed_steps hands the report over."""
@@ -75,8 +75,7 @@ def test_step_watch_names_what_happened_in_which_step():
     def slow_wait(event):
         time.sleep(0.03)
 
-    real_wait = torch.cuda.Event.synchronize
-    torch.cuda.Event.synchronize = slow_wait
+    monkeypatch.setattr(torch.cuda.Event, "synchronize", slow_wait)
 
     double = torch.compile(lambda x: x * 2, backend="eager")
     seen = []
@@ -95,11 +94,8 @@ def test_step_watch_names_what_happened_in_which_step():
         return torch.tensor(float(i))
 
     events = {}
-    try:
-        dt, step_ms, peak, losses = timed_steps(step, 6, torch.device("cpu"), events=events)
-        assert torch.cuda.Event.synchronize is slow_wait  # put back after the window
-    finally:
-        torch.cuda.Event.synchronize = real_wait
+    dt, step_ms, peak, losses = timed_steps(step, 6, torch.device("cpu"), events=events)
+    assert torch.cuda.Event.synchronize is slow_wait  # put back after the window
     assert losses == [0.0, 1.0, 2.0, 3.0, 4.0, 5.0] and peak is None
     got = events["step_events"]
     assert [i for i, what in got if what == "1 Dynamo frame(s) compiled"] == [1], got

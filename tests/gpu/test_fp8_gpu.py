@@ -97,8 +97,8 @@ def test_fp8_tracks_bf16(family, recipe, compiled):
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
 def test_fp8_layers_with_the_cpp_wrapper_track_the_python_wrapper(recipe):
-    """Compiled FP8 layers under Inductor's C++ wrapper (which the engine gives bf16 layers, not FP8 ones: it timed
-    slower for them), the losses of the Python wrapper's run within 1% step by step (the same kernels; autotuning may pick other
+    """Compiled FP8 layers under Inductor's C++ wrapper (which the engine gives bf16 layers; FP8 ones keep the
+    Python wrapper: engine/gpu.wants_cpp_wrapper), the losses of the Python wrapper's run within 1% step by step (the same kernels; autotuning may pick other
     configurations), the delayed states settled once, the weights' step copies dropped, the weight gradients
     through main_grad. tests/test_fp8.py shows the two wrappers equal bit for bit on CPU."""
     (python_wrapper,) = run_on_ranks(_train, 1, "llama", "hybrid", recipe, True, False)
