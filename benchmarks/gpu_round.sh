@@ -10,6 +10,8 @@
 #               after each step; weight gradients through main_grad; C++ wrapper against Python wrapper)  ~5 min
 #   fp8_llama   Llama-1B shape, 4 micro-batches of 2 x 2048: bf16, FP8 delayed, FP8 tensorwise, FP8 delayed in
 #               every layer (Megatron-LM's default; ours keeps the first and last in bf16)        ~8 min
+#   fp8_llama_mb1  the same tokens a step in one micro-batch of 8 x 2048: bf16, FP8 delayed, FP8 tensorwise (the FP8
+#               step's host work is per micro-batch and per linear: a quarter of the calls)        ~6 min
 #   fp8_1p5b    GPT-2 1.5B, one micro-batch of 16 x 1024: bf16, FP8 delayed, FP8 tensorwise    ~6 min
 #   fp8_profile kernel time by kind and the GPU's idle stretches charged to the host ranges before them
 #               (--gaps), Llama-1B FP8 delayed and tensorwise; then bf16 and tensorwise at 8 x 512   ~6 min
@@ -30,7 +32,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -55,6 +57,10 @@ case "$stage" in
                "--fp8 hybrid --fp8_recipe delayed --fp8_all_layers"; do
       $T --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 4 --modes megatron_compile --steps 8 --warmup 2 $fp8
     done 2>&1 | tee "$out/fp8_llama.log" ;;
+  fp8_llama_mb1)
+    for fp8 in "" "--fp8 hybrid --fp8_recipe delayed" "--fp8 hybrid --fp8_recipe tensorwise"; do
+      $T --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 1 --modes megatron_compile --steps 8 --warmup 2 $fp8
+    done 2>&1 | tee "$out/fp8_llama_mb1.log" ;;
   fp8_1p5b)
     for fp8 in "" "--fp8 hybrid --fp8_recipe delayed" "--fp8 hybrid --fp8_recipe tensorwise"; do
       $T --sizes 1.5b --num_micro 1 --modes megatron_compile --steps 8 --warmup 2 $fp8
