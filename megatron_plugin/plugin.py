@@ -959,12 +959,12 @@ def check_compile(plugin: MegatronLMPlugin, compile_kwargs: Optional[dict], devi
     if device_type != "cuda":
         raise MegatronPluginConfigError(setting, value, f"compiled layers are for the CUDA engine only; for a CPU run {off}")
     if uses_cuda_graphs(compile_kwargs) and plugin.fp8:
-        # the step's FP8 weight copies are new tensors each step, and delayed scaling updates its state inside
-        # the graphs: Llama-1B ran 14,210 tok/s against 51,846 in the default mode (H200, 2026-11-29)
+        # measured, not explained: Llama-1B FP8 tensorwise ran 14,210 tok/s against 51,846 in the default mode
+        # (H200, 2026-11-29; ~1 s a step), and no test covers FP8 under graph replays
         raise MegatronPluginConfigError(
             "fp8", plugin.fp8,
             f"torch.compile mode {compile_kwargs.get('mode')!r} replays CUDA graphs, which the FP8 linears do not "
-            "support (3.6x slower, graphs recaptured every step): use the default compile mode with fp8, or leave "
+            "support (untested, and 3.6x slower where measured): use the default compile mode with fp8, or leave "
             "fp8 unset for CUDA graphs",
         )
     if uses_cuda_graphs(compile_kwargs) and plugin.gradient_accumulation_fusion:

@@ -99,7 +99,7 @@ def test_fused_weight_gradient_refused_under_cuda_graphs(clean_env, kwargs):
 
 @pytest.mark.parametrize("kwargs", [{"mode": "reduce-overhead"}, {"options": {"triton.cudagraphs": True}}])
 def test_fp8_refused_under_cuda_graphs(clean_env, kwargs):
-    # graphs recaptured every step around the step's new FP8 weight copies (3.6x slower on an H200)
+    # untested under graph replays, and 3.6x slower where timed (Llama-1B on an H200)
     from megatron_plugin.plugin import check_compile
 
     with pytest.raises(MegatronPluginConfigError, match="fp8='hybrid'.*CUDA graphs.*default compile mode"):
