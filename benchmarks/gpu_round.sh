@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 32's open GPU measurements as stages, each one device call of under ten minutes on one H200/H100.
+# Issue 32's open GPU measurements as stages, each one device call of under ten minutes on one H200/H100 (the two_gpu_*
+# stages on nvidia-h200-x2).
 # Here first (once): ../shared/device/prepare-wheels.sh        (megatron-core's wheel into .whl/, ignored by git)
 # Then one device call per stage, carrying .whl, e.g. the command
 #     bash benchmarks/gpu_round.sh fp8_tests
@@ -29,10 +30,21 @@
 #               launch --enable_cpu_affinity pins (half the CPUs where there is one NUMA node)    ~8 min
 #   steady_graphs  the same five with CUDA graphs (accelerate's TorchDynamoPlugin(mode="reduce-overhead")): the host
 #               launches a graph per layer instead of its kernels, so a slow host stretch need not reach the GPU  ~8 min
+#   two_gpu_rows  (nvidia-h200-x2) check 5 at GPT-2 774M: one GPU; DP = 2 with the distributed optimizer at the
+#               same global batch (16: each GPU half the one-GPU micro-batch) and at the same per-GPU batch (32);
+#               TP = 2 + SP                                                                        ~6 min
+#   two_gpu_tp    (nvidia-h200-x2) TP = 2 + SP at 774M where the host bounds it (sync wait 0, 2026-11-29): under
+#               CUDA graphs (reduce-overhead), with CUDA_DEVICE_MAX_CONNECTIONS=1, plain TP = 2 under graphs; then a
+#               profile of TP = 2 + SP (rank 0)                                                   ~7 min
+#   two_gpu_dp    (nvidia-h200-x2) profiles of one GPU at 774M and DP = 2 (distributed optimizer, global 16): where
+#               DP's step exceeds half the one-GPU step                                           ~4 min
+#   two_gpu_nccl  (nvidia-h200-x2) the GPUs' link: topology, NVLink state, NCCL's transport, collective bandwidth  ~1 min
+#   two_gpu_tests (nvidia-h200-x2) every test in tests/gpu marked two_gpus (the backlog since issue 11), in
+#               file order; pass file names after the stage to run a part                        ~10 min
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | two_gpu_tp | two_gpu_dp | two_gpu_nccl | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -91,6 +103,29 @@ case "$stage" in
       --out "$out/parity" 2>&1 | tee "$out/fp8_parity.log"
     python benchmarks/fp8_parity.py --table "$out/parity" | tee -a "$out/fp8_parity.log"
     rm -rf "$out/parity/data" "$out/docstrings.txt" ;;
+  two_gpu_rows)
+    for arm in "" "--nproc 2 --distopt" "--nproc 2 --distopt --global_batch 32" "--nproc 2 --tp 2 --sp"; do
+      $T --sizes 774m --modes megatron_compile --steps 10 --warmup 3 $arm
+    done 2>&1 | tee "$out/two_gpu_rows.log" ;;
+  two_gpu_tp)
+    L="--sizes 774m --modes megatron_compile --steps 10 --warmup 3 --nproc 2 --tp 2"
+    { $T $L --sp --compile_mode reduce-overhead
+      CUDA_DEVICE_MAX_CONNECTIONS=1 $T $L --sp
+      $T $L --compile_mode reduce-overhead; } 2>&1 | tee "$out/two_gpu_tp.log"
+    torchrun --nproc-per-node 2 benchmarks/profile_step.py --size 774m --mode megatron_compile --tp 2 --sp \
+      --steps 3 --warmup 3 --gaps 25 2>&1 | tee "$out/two_gpu_tp_profile.log" ;;
+  two_gpu_dp)
+    { python benchmarks/profile_step.py --size 774m --mode megatron_compile --steps 3 --warmup 3 --gaps 25
+      torchrun --nproc-per-node 2 benchmarks/profile_step.py --size 774m --mode megatron_compile --distopt \
+        --steps 3 --warmup 3 --gaps 25; } 2>&1 | tee "$out/two_gpu_dp_profile.log" ;;
+  two_gpu_nccl)
+    { nvidia-smi topo -m; nvidia-smi nvlink -s | head -40; env | grep -E "^(NCCL|TORCH_SYMM|NVSHMEM)" ; } \
+      > "$out/two_gpu_nccl.log" 2>&1
+    NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,TUNING torchrun --nproc-per-node 2 benchmarks/nccl_bandwidth.py \
+      >> "$out/two_gpu_nccl.log" 2>&1 ;;
+  two_gpu_tests)
+    shift
+    python -m pytest -v -m two_gpus -rs --durations 0 "${@:-tests/gpu}" 2>&1 | tee "$out/two_gpu_tests.log" ;;
   steady|steady_gc|steady_pin|steady_graphs)
     extra="" ; pin=""
     [ "$stage" = steady_gc ] && extra="--manual_gc 0"

@@ -95,8 +95,10 @@ def summarize(prof, steps, wall, title, top=30, host_top=0, gaps=0, trace=None):
     kernels = defaultdict(lambda: [0.0, 0])
     syncs = 0
     for e in prof.events():
-        # "Optimizer.step#AdamW.step"-style ranges are annotations over kernels already counted
-        if e.device_type == torch.autograd.DeviceType.CUDA and "#" not in e.name:
+        # annotations over kernels already counted: "Optimizer.step#AdamW.step"-style ranges, and the
+        # "nccl:all_gather"-style ranges c10d records on the GPU around its NCCL kernels
+        if (e.device_type == torch.autograd.DeviceType.CUDA and "#" not in e.name
+                and not getattr(e, "is_user_annotation", False) and not e.name.startswith("nccl:")):
             kernels[e.name][0] += e.device_time / 1e3 / steps
             kernels[e.name][1] += 1
         elif e.name in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "aten::item",

@@ -161,3 +161,23 @@ def test_cpp_wrapper_switch_overrides_the_engines_choice(monkeypatch):
             choose_cpp_wrapper("on", tp, cp)
     choose_cpp_wrapper("off", 2, 1)  # the Python wrapper runs anywhere
     assert gpu.wants_cpp_wrapper(torch.nn.Linear(2, 2), {}) is False
+
+
+def test_profile_counts_each_nccl_kernel_once(capsys):
+    """c10d records an "nccl:all_gather"-style range on the GPU around each NCCL kernel: profile_step's kernel
+    time counts the kernel, not the range too (a TP = 2 profile read 176 ms of communication for 88)."""
+    from types import SimpleNamespace
+
+    from profile_step import summarize
+
+    cuda = torch.autograd.DeviceType.CUDA
+
+    def event(name, us, annotation=False):
+        return SimpleNamespace(name=name, device_type=cuda, device_time=us, is_user_annotation=annotation)
+
+    events = [event("ncclDevKernel_AllGather_RING_LL", 3000.0), event("nccl:_all_gather_base", 3000.0, True),
+              event("nvjet_sm90_tst_320x128", 1000.0), event("Optimizer.step#AdamW.step", 500.0, True)]
+    summarize(SimpleNamespace(events=lambda: events), 1, 0.005, "t")
+    out = capsys.readouterr().out
+    assert "kernels 4.0 ms (80% busy), 2 kernels/step" in out, out
+    assert "3.00 ms   75.0%  communication" in out, out

@@ -99,7 +99,7 @@ def _nccl_gather_worker():
         on_dim1, whole.transpose(0, 1))
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.two_gpus
 def test_nccl_gather_and_reduce_scatter():
     for ok in run_on_ranks(_nccl_gather_worker, 2):
         assert ok == (True, True, True)

@@ -13,7 +13,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 @pytest.mark.parametrize(
     "world,tp,pp,micro,num_micro",
     [(1, 1, 1, 8, 1),
-     pytest.param(2, 1, 2, 4, 2, marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs"))],
+     pytest.param(2, 1, 2, 4, 2, marks=pytest.mark.two_gpus)],
     ids=["1gpu", "pp2"],
 )
 def test_indexed_data_training_matches_hf_on_gpu(corpus, tmp_path, world, tp, pp, micro, num_micro):  # noqa: F811

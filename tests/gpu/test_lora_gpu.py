@@ -106,3 +106,47 @@ def test_lora_on_gpu_tracks_hf_peft(name, precision, compiled):
         assert got["rounds"][1] == got["rounds"][2], got["rounds"]  # toggling compiles nothing new
     # the adapter folder, as peft loads it in fp32, gives our trained model's logits
     assert (loaded_logits - got["logits"]).abs().max().item() < (1e-4 if fp32 else 3e-2) * scale
+
+
+def _tp_worker(name, out_dir, compiled=True, precision="bf16"):
+    """TP = 2 + SP, bf16, compiled layers with the adapters inside them: the step losses, the eval loss on the
+    eval batch, and the adapter folder save_model writes (gathered from both TP ranks)."""
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+    model = L.peft_model(name)
+    vocab = model.config.vocab_size
+    loader = DataLoader(token_dataset(L.STEPS * 4, vocab), batch_size=4, shuffle=False)
+    opt = L.make_optimizer(model)
+    sched = MegatronLMDummyScheduler(opt, total_num_steps=L.STEPS, warmup_num_steps=WARMUP)
+    plugin = MegatronLMPlugin(tp_degree=2, sequence_parallelism=True, gradient_clipping=1.0, torch_compile=compiled)
+    accelerator = Accelerator(megatron_lm_plugin=plugin, mixed_precision=precision)
+    engine, opt, sched, loader = accelerator.prepare(model, opt, sched, loader)
+    engine.train()
+    losses = [engine(**b).loss.item() for b in loader][: L.STEPS]
+    engine.eval()
+    with torch.no_grad():
+        eval_loss = engine(**L.eval_batch(vocab)).loss.item()
+    adapter_dir = os.path.join(out_dir, "adapter")
+    accelerator.save_model(engine, adapter_dir)
+    return {"losses": losses, "eval_loss": eval_loss, "adapter_dir": adapter_dir}
+
+
+@pytest.mark.two_gpus
+@pytest.mark.parametrize("name", ["llama", "gpt2"])
+def test_lora_compiled_at_tp2_sp_tracks_hf_peft(name):
+    """Each rank holds half of every adapted linear's adapter (lora_A or lora_B split as its base weight is);
+    the losses track HF peft within bf16's error on both ranks, and the folder saved from both ranks, loaded
+    by peft in fp32, gives our eval loss."""
+    from peft import PeftModel
+
+    ref = L.reference(name, 4)
+    with tempfile.TemporaryDirectory() as out:
+        results = run_on_ranks(_tp_worker, 2, name, out)
+        loaded = PeftModel.from_pretrained(L.base_model(name), results[0]["adapter_dir"]).eval()
+        with torch.no_grad():
+            loaded_loss = loaded(**L.eval_batch(loaded.config.vocab_size)).loss.item()
+    for got in results:
+        for step, (a, b) in enumerate(zip(got["losses"], ref["losses"])):
+            assert abs(a - b) / abs(b) < 3e-2, f"step {step}: megatron {a} vs peft {b}"
+        assert abs(got["eval_loss"] - loaded_loss) / loaded_loss < 3e-2, (got["eval_loss"], loaded_loss)
+    assert ref["losses"][-1] < ref["losses"][0]

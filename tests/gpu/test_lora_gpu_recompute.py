@@ -17,7 +17,7 @@ from tests.spawn import run_on_ranks
 from tests.training import WARMUP, token_dataset
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+two_gpus = pytest.mark.two_gpus
 
 STEPS = 6
 RECOMPUTE = {

@@ -37,11 +37,9 @@ def _per_token_step(model_name, data_name):
     return eval_loss, train_loss, {k: v.float().cpu() for k, v in engine.hf_state_dict().items()}
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["dp1", "dp2"])
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.two_gpus)], ids=["dp1", "dp2"])
 @pytest.mark.parametrize("model_name,data_name", [("bert:mlm", "mlm"), ("tied", "sft")], ids=["bert_mlm", "gpt2_sft"])
 def test_per_token_loss_is_hf_loss_over_the_global_batch_gpu(world, model_name, data_name):
-    if torch.cuda.device_count() < world:
-        pytest.skip(f"needs {world} GPUs")
     rows = dataset(data_name, MICRO * NUM_MICRO * world, build(model_name).config.vocab_size)
     ref_eval, ref_train, _, ref_weights = _hf_step(model_name, rows)
     for eval_loss, train_loss, weights in run_on_ranks(_per_token_step, world, model_name, data_name):

@@ -15,7 +15,7 @@ from tests.gpu.workers import MICRO, dataset, gpu_model
 from tests.spawn import run_on_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+two_gpus = pytest.mark.two_gpus
 
 BEFORE, AFTER, NUM_MICRO = 3, 3, 2
 

@@ -100,3 +100,68 @@ def test_moe_bf16_grouped_training_tracks_hf_fp32(wgrad_fusion, compiled):
     deltas = res["deltas"]
     cos = float(torch.nn.functional.cosine_similarity(deltas, ref_deltas.cpu(), dim=0))
     assert deltas.abs().max() > 0 and cos > 0.9, (cos, deltas.abs().max())  # the experts learn as HF's do
+
+
+def _layout_worker(plugin_kwargs, micro, num_micro, aux, precision="bf16"):
+    """One run of the tiny Qwen3-MoE in bf16 under a parallel layout: each step's loss and metrics, and the
+    trained weights (whole, on every rank). Rows are laid out so that every layout sees the same micro-batches:
+    rank r of a data-parallel group of `dp` takes rows [step * 4 + r * micro, ...) of each step's 4."""
+    import os
+
+    from megatron_plugin import Accelerator, MegatronLMPlugin
+    from tests.training import sft_dataset
+
+    world = int(os.environ["WORLD_SIZE"])
+    hf = tiny_moe("qwen3_moe", output_router_logits=aux > 0, router_aux_loss_coef=aux)
+    plugin = MegatronLMPlugin(gradient_clipping=1.0, num_micro_batches=num_micro, **plugin_kwargs)
+    acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision=precision)
+    opt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=0.0)
+    # padded SFT rows: under PP the later stages slice the padding mask themselves (train_steps/moe.py)
+    loader = DataLoader(sft_dataset(STEPS * 4, hf.config.vocab_size), batch_size=micro, shuffle=False)
+    engine, opt, loader = acc.prepare(hf, opt, loader)
+    engine.train()
+    losses, metrics = [], []
+    for batch in loader:
+        out = engine(**batch)
+        losses.append(out.loss.item())
+        metrics.append({k: v.tolist() for k, v in engine.metrics.items()})
+        if len(losses) == STEPS:
+            break
+    weights = {name: t.float().cpu() for name, t in engine.iter_hf_weights()}
+    acc.end_training()
+    return {"losses": losses, "metrics": metrics, "weights": weights, "world": world}
+
+
+def _assert_layout_tracks(results, one):
+    for res in results:
+        assert len(res["losses"]) == STEPS and one["losses"][-1] < one["losses"][0], (res["losses"], one["losses"])
+        for a, b in zip(res["losses"], one["losses"]):
+            assert abs(a - b) / b < 2e-2, (res["losses"], one["losses"])
+        assert res["weights"].keys() == one["weights"].keys()
+        # bf16 on both sides: the weights after 5 AdamW steps agree to bf16's rounding, the experts included
+        for k, w in res["weights"].items():
+            rel = ((w - one["weights"][k]).norm() / one["weights"][k].norm()).item()
+            assert rel < 2e-2, (k, rel)
+
+
+@pytest.mark.two_gpus
+def test_moe_ep2_tracks_one_gpu():
+    """EP = 2 on two GPUs (each holds half the experts; the dense part data-parallel over both, micro-batches of
+    2) against one GPU accumulating the same two micro-batches a step: the load-balancing loss is per
+    micro-batch in both, so the runs differ only by bf16 rounding."""
+    (one,) = run_on_ranks(_layout_worker, 1, {}, 2, 2, AUX)
+    results = run_on_ranks(_layout_worker, 2, {"expert_model_parallel_size": 2}, 2, 1, AUX)
+    _assert_layout_tracks(results, one)
+    for res, m_one in zip(results, [one["metrics"]] * 2):
+        for m, ref in zip(res["metrics"], m_one):
+            # every token's top-k picks counted once over the expert-parallel ranks, as on one GPU
+            assert m["tokens per expert/layer 1"] == ref["tokens per expert/layer 1"], (m, ref)
+
+
+@pytest.mark.two_gpus
+def test_moe_pp2_tracks_one_gpu():
+    """PP = 2 with MoE layers on both stages (no aux loss: prepare refuses its coefficient with pipeline stages),
+    padded rows, two micro-batches a step, against one GPU."""
+    (one,) = run_on_ranks(_layout_worker, 1, {}, 2, 2, 0.0)
+    results = run_on_ranks(_layout_worker, 2, {"pp_degree": 2}, 2, 2, 0.0)
+    _assert_layout_tracks(results, one)

@@ -14,7 +14,7 @@ from tests.spawn import run_on_ranks
 from tests.test_multinode_config import _report_worker
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+two_gpus = pytest.mark.two_gpus
 
 
 def test_one_gpu_reports_nothing():

@@ -14,7 +14,7 @@ from tests import test_post_training as T
 from tests.spawn import run_on_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+two_gpus = pytest.mark.two_gpus
 
 LAYOUTS = {
     "single": dict(tp=1),

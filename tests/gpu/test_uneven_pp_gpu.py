@@ -12,7 +12,7 @@ import torch
 from tests.spawn import run_on_ranks
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+two_gpus = pytest.mark.two_gpus
 
 STEPS, MICRO, NUM_MICRO, LAYERS = 6, 2, 2, 3
 

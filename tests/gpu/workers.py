@@ -48,7 +48,7 @@ def dataset(n, vocab=1000, seed=3, family="gpt2"):
     return [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()} for x in ids]
 
 
-def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="bf16", mode="train",
+def run_layout(tp=1, pp=1, cp=1, sp=False, distopt=False, vpp_layers=None, precision="bf16", mode="train",
                steps=STEPS, total_steps=STEPS, save_dir=None, load_dir=None, recompute=False, compile=None,
                family="gpt2", frozen=False, wgrad_fusion=None):
     """compile: None (eager), "plugin" (MegatronLMPlugin(torch_compile=True)), "accelerate"
@@ -57,9 +57,9 @@ def run_layout(tp=1, pp=1, sp=False, distopt=False, vpp_layers=None, precision="
     from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
 
     world = int(os.environ["WORLD_SIZE"])
-    dp = world // (tp * pp)
+    dp = world // (tp * pp * cp)
     plugin = MegatronLMPlugin(
-        tp_degree=tp, pp_degree=pp, sequence_parallelism=sp, use_distributed_optimizer=distopt,
+        tp_degree=tp, pp_degree=pp, context_parallel_size=cp, sequence_parallelism=sp, use_distributed_optimizer=distopt,
         num_layers_per_virtual_pipeline_stage=vpp_layers, num_micro_batches=NUM_MICRO,
         return_logits=mode == "logits", recompute_activations=recompute, torch_compile=compile == "plugin",
         gradient_accumulation_fusion=wgrad_fusion,
