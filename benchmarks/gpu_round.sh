@@ -34,17 +34,17 @@
 #               same global batch (16: each GPU half the one-GPU micro-batch) and at the same per-GPU batch (32);
 #               TP = 2 + SP                                                                        ~6 min
 #   two_gpu_tp    (nvidia-h200-x2) TP = 2 + SP at 774M where the host bounds it (sync wait 0, 2026-11-29): under
-#               CUDA graphs (reduce-overhead), with CUDA_DEVICE_MAX_CONNECTIONS=1, plain TP = 2 under graphs; then a
-#               profile of TP = 2 + SP (rank 0)                                                   ~7 min
-#   two_gpu_dp    (nvidia-h200-x2) profiles of one GPU at 774M and DP = 2 (distributed optimizer, global 16): where
-#               DP's step exceeds half the one-GPU step                                           ~4 min
+#               Inductor's C++ wrapper (--cpp_wrapper on; TP's ops skip its tuning run since 2026-11-29), under CUDA
+#               graphs (reduce-overhead), with CUDA_DEVICE_MAX_CONNECTIONS=1                      ~6 min
+#   two_gpu_profiles (nvidia-h200-x2) profiles at 774M: TP = 2 + SP, DP = 2 (distributed optimizer, global 16),
+#               one GPU: where each two-GPU step exceeds half the one-GPU step                   ~5 min
 #   two_gpu_nccl  (nvidia-h200-x2) the GPUs' link: topology, NVLink state, NCCL's transport, collective bandwidth  ~1 min
 #   two_gpu_tests (nvidia-h200-x2) every test in tests/gpu marked two_gpus (the backlog since issue 11), in
 #               file order; pass file names after the stage to run a part                        ~10 min
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | two_gpu_tp | two_gpu_dp | two_gpu_nccl | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | two_gpu_tp | two_gpu_profiles | two_gpu_nccl | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -108,16 +108,15 @@ case "$stage" in
       $T --sizes 774m --modes megatron_compile --steps 10 --warmup 3 $arm
     done 2>&1 | tee "$out/two_gpu_rows.log" ;;
   two_gpu_tp)
-    L="--sizes 774m --modes megatron_compile --steps 10 --warmup 3 --nproc 2 --tp 2"
-    { $T $L --sp --compile_mode reduce-overhead
-      CUDA_DEVICE_MAX_CONNECTIONS=1 $T $L --sp
-      $T $L --compile_mode reduce-overhead; } 2>&1 | tee "$out/two_gpu_tp.log"
-    torchrun --nproc-per-node 2 benchmarks/profile_step.py --size 774m --mode megatron_compile --tp 2 --sp \
-      --steps 3 --warmup 3 --gaps 25 2>&1 | tee "$out/two_gpu_tp_profile.log" ;;
-  two_gpu_dp)
-    { python benchmarks/profile_step.py --size 774m --mode megatron_compile --steps 3 --warmup 3 --gaps 25
-      torchrun --nproc-per-node 2 benchmarks/profile_step.py --size 774m --mode megatron_compile --distopt \
-        --steps 3 --warmup 3 --gaps 25; } 2>&1 | tee "$out/two_gpu_dp_profile.log" ;;
+    L="--sizes 774m --modes megatron_compile --steps 10 --warmup 3 --nproc 2 --tp 2 --sp"
+    { $T $L --cpp_wrapper on
+      $T $L --compile_mode reduce-overhead
+      CUDA_DEVICE_MAX_CONNECTIONS=1 $T $L; } 2>&1 | tee "$out/two_gpu_tp.log" ;;
+  two_gpu_profiles)
+    P="benchmarks/profile_step.py --size 774m --mode megatron_compile --steps 3 --warmup 3 --gaps 25"
+    { torchrun --nproc-per-node 2 $P --tp 2 --sp
+      torchrun --nproc-per-node 2 $P --distopt
+      python $P; } 2>&1 | tee "$out/two_gpu_profiles.log" ;;
   two_gpu_nccl)
     { nvidia-smi topo -m; nvidia-smi nvlink -s | head -40; env | grep -E "^(NCCL|TORCH_SYMM|NVSHMEM)" ; } \
       > "$out/two_gpu_nccl.log" 2>&1

@@ -134,12 +134,12 @@ def peft_wrap(model, cfg, r, base_dtype=None):
 
 def choose_cpp_wrapper(choice: str, tp: int = 1, cp: int = 1) -> None:
     """--cpp_wrapper: "on" / "off" overrides the engine's choice of Inductor's wrapper for every compiled layer
-    of this process (the benchmark's own switch, to time that choice; "auto" leaves it to the engine). "on" only
-    without collectives inside the layers: the C++ wrapper runs each graph once more while compiling it, and a
-    collective in it would then run on this rank alone (engine/gpu.wants_cpp_wrapper)."""
-    if choice == "on" and (tp > 1 or cp > 1):
-        raise SystemExit(f"--cpp_wrapper on with --tp {tp} --cp {cp}: the layers' collectives would run an extra "
-                         "time on one rank while compiling; use --cpp_wrapper auto (or off) with TP or CP > 1")
+    of this process (the benchmark's own switch, to time that choice; "auto" leaves it to the engine). "on" not
+    with CP: the C++ wrapper runs each graph once more while compiling it, and CP's key/value gather would then
+    run on this rank alone (TP's collectives skip that run: engine/gpu.wants_cpp_wrapper)."""
+    if choice == "on" and cp > 1:
+        raise SystemExit(f"--cpp_wrapper on with --cp {cp}: the layers' key/value gathers would run an extra "
+                         "time on one rank while compiling; use --cpp_wrapper auto (or off) with CP > 1")
     if choice != "auto":
         from megatron_plugin.engine import gpu
 

@@ -13,6 +13,7 @@ import atexit
 import os
 import queue
 import socket
+import sys
 import tempfile
 import time
 import traceback
@@ -35,6 +36,11 @@ def _reset_process_state():
     from megatron_plugin.engine.distributed import destroy
 
     destroy()
+    # the engine sets Inductor's C++ wrapper for the whole process (engine/gpu.use_cpp_wrapper): the next task
+    # starts with the default, as a new script's process does
+    inductor_config = sys.modules.get("torch._inductor.config")
+    if inductor_config is not None:
+        inductor_config.cpp_wrapper = False
     # the run's patches go; accelerate's hint stays: a process installs it once, at its first use of a
     # public name (cached after), as a script's process does
     patches.undo(*(n for n in patches.installed() if n != "accelerate_megatron_hint"))

@@ -180,10 +180,22 @@ def test_compiled_layers_with_linear_ops_match_eager_gradients(family, world_siz
         assert res["graph_breaks"] == 0, res  # the linears and TP sums stay inside the compiled graphs
 
 
-def _sequence_parallel_ops_worker():
+def _sequence_parallel_ops_worker(cpp_wrapper=False):
     """Sequence parallelism through the ops (all-gather of the input, reduce-scatter of the input
     gradient and of the row-parallel sum) against plain TP = 2 without it, on the transformer block:
     the CPU engine itself refuses SP, since mcore's embedding and buffers gather on CUDA."""
+    import torch._inductor.config as inductor_config
+
+    torch._dynamo.reset()  # a pooled worker may hold these layers compiled under the other wrapper
+    inductor_config.cpp_wrapper = cpp_wrapper  # process-wide, as engine/gpu.use_cpp_wrapper sets it
+    try:
+        return _sequence_parallel_ops_run()
+    finally:
+        inductor_config.cpp_wrapper = False
+        torch._dynamo.reset()
+
+
+def _sequence_parallel_ops_run():
     import torch.distributed as dist
     from megatron.core import parallel_state
 
@@ -224,10 +236,59 @@ def _sequence_parallel_ops_worker():
     return res
 
 
-def test_sequence_parallel_linear_ops_match_plain_tensor_parallel():
-    for res in run_on_ranks(_sequence_parallel_ops_worker, 2):
+@pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python_wrapper", "cpp_wrapper"])
+def test_sequence_parallel_linear_ops_match_plain_tensor_parallel(cpp_wrapper):
+    """cpp_wrapper: the TP ops (a group name, flags, a list of tensors back) called from Inductor's C++ wrapper,
+    which the GPU engine gives layers without collectives in them (engine/gpu.wants_cpp_wrapper)."""
+    for res in run_on_ranks(_sequence_parallel_ops_worker, 2, cpp_wrapper):
         assert res["out"] < 1e-5 and res["dinput"] < 1e-5, res
         assert res["worst_grad_rel"] < 1e-4, res
+
+
+def _silent_in_codegen_worker():
+    """Every TP op of compiled_linear as Inductor's codegen would run it (its C++ wrapper's tuning run), with
+    torch.distributed's collectives made to raise: shapes as the fakes say, no collective, main_grad untouched."""
+    import torch.distributed as dist
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a collective inside Inductor's codegen")
+
+    from megatron.core import parallel_state
+
+    from megatron_plugin import MegatronLMPlugin
+    from megatron_plugin.engine.distributed import initialize
+    from tests.models import tiny_gpt2
+
+    initialize(MegatronLMPlugin(tp_degree=2), tiny_gpt2().config)
+    group = parallel_state.get_tensor_model_parallel_group().group_name
+    x, w = torch.randn(4, 3, 8), torch.randn(6, 8)
+    w.main_grad = torch.zeros(6, 8)
+    saved = {n: getattr(dist, n) for n in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")}
+    real = compiled_linear.in_inductor_codegen
+    try:
+        for n in saved:
+            setattr(dist, n, refuse)
+        compiled_linear.in_inductor_codegen = lambda: True
+        shapes = [tuple(compiled_linear._gather_seq(x, group).shape),
+                  tuple(compiled_linear._reduce_scatter_seq(x, group).shape),
+                  tuple(compiled_linear._all_reduce(x, group).shape)]
+        for dgrad in (compiled_linear.DGRAD_ALL_REDUCE, compiled_linear.DGRAD_REDUCE_SCATTER):
+            go = torch.randn(8 if dgrad == compiled_linear.DGRAD_REDUCE_SCATTER else 4, 3, 6)
+            grads = compiled_linear._linear_backward(go, x, w, group, dgrad == compiled_linear.DGRAD_REDUCE_SCATTER,
+                                                     dgrad, True, True, True)
+            shapes.append([tuple(g.shape) for g in grads])
+    finally:
+        compiled_linear.in_inductor_codegen = real
+        for n, f in saved.items():
+            setattr(dist, n, f)
+    return {"shapes": shapes, "main_grad_untouched": bool((w.main_grad == 0).all())}
+
+
+def test_tp_ops_do_not_communicate_inside_inductor_codegen():
+    for res in run_on_ranks(_silent_in_codegen_worker, 2):
+        assert res["shapes"] == [(8, 3, 8), (2, 3, 8), (4, 3, 8),
+                                 [(4, 3, 8), (6, 8), (6,)], [(4, 3, 8), (6, 8), (6,)]], res
+        assert res["main_grad_untouched"], res
 
 
 class _BufferedParams:

@@ -209,8 +209,10 @@ def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
     wrapper; the C++ wrapper launches them without (one H100: GPT-2 124M 432,084 tok/s against 293,522;
     Qwen3-MoE's shape 72,142 against 53,478-54,771; Llama-1B, full or LoRA, GPU-bound, unchanged: BENCHMARKS.md).
     The wrapper runs each graph once while compiling it (on the call's inputs, to tune its kernels): our
-    side-effect ops skip that run (`compiled_linear.in_inductor_codegen`), but a collective in the graph (TP's
-    linears as ops, CP's key/value gather, expert dispatch) would run an extra time on this rank only."""
+    side-effect ops skip that run (`compiled_linear.in_inductor_codegen`), and so do TP's linears and sums as ops
+    (a collective there would run on this rank only); CP's key/value gather and expert dispatch do not. TP layers
+    keep the Python wrapper until the C++ one is timed and tested on two GPUs (CPU:
+    tests/test_wgrad.py::test_sequence_parallel_linear_ops_match_plain_tensor_parallel[cpp_wrapper])."""
     if (str(compile_backend(compile_kwargs)).lower() != "inductor" or compile_kwargs.get("mode") not in (None, "default")
             or compile_kwargs.get("options")):
         return False

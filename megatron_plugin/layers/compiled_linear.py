@@ -52,24 +52,31 @@ def _size(group: str) -> int:
     return _resolve_process_group(group).size() if group else 1
 
 
+# The collectives below do nothing inside Inductor's codegen (`in_inductor_codegen`): the C++ wrapper's tuning run
+# of a graph happens on whichever rank compiles it (another may load the graph from the cache and skip the run),
+# so a collective there would wait for a peer that never comes. The run's values are thrown away.
+
 def _gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:
     """All-gather along dim 0 (the sequence, under sequence parallelism)."""
     pg = _resolve_process_group(group)
     out = x.new_empty(x.shape[0] * pg.size(), *x.shape[1:])
-    dist.all_gather_into_tensor(out, x.contiguous(), group=pg)
+    if not in_inductor_codegen():
+        dist.all_gather_into_tensor(out, x.contiguous(), group=pg)
     return out
 
 
 def _reduce_scatter_seq(x: torch.Tensor, group: str) -> torch.Tensor:
     pg = _resolve_process_group(group)
     out = x.new_empty(x.shape[0] // pg.size(), *x.shape[1:])
-    dist.reduce_scatter_tensor(out, x.contiguous(), group=pg)
+    if not in_inductor_codegen():
+        dist.reduce_scatter_tensor(out, x.contiguous(), group=pg)
     return out
 
 
 def _all_reduce(x: torch.Tensor, group: str) -> torch.Tensor:
     out = x.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(out, group=_resolve_process_group(group))
+    if not in_inductor_codegen():
+        dist.all_reduce(out, group=_resolve_process_group(group))
     return out
 
 
@@ -83,8 +90,8 @@ _all_reduce_op = _define("tp_all_reduce(Tensor x, str group) -> Tensor", _all_re
 
 def in_inductor_codegen() -> bool:
     """Whether Inductor is compiling a graph right now. Its C++ wrapper runs the graph once while compiling it
-    (to tune its kernels), on the call's inputs or on random ones: an op with a side effect (on main_grad)
-    must then do nothing."""
+    (to tune its kernels), on the call's inputs or on random ones: an op with a side effect (on main_grad) or a
+    collective must then do nothing."""
     from torch._inductor.virtualized import NullHandler, V
 
     return not isinstance(V.graph, NullHandler)
@@ -134,12 +141,13 @@ def _linear_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: tor
     # contiguous, as the fake says: the compiled caller checks strides
     grad_total = (grad_output @ weight).contiguous()
     handle = None
+    talk = not in_inductor_codegen()  # see _gather_seq
     if dgrad == DGRAD_ALL_REDUCE:
         grad_input = grad_total
-        handle = dist.all_reduce(grad_input, group=pg, async_op=True)
+        handle = dist.all_reduce(grad_input, group=pg, async_op=True) if talk else None
     elif dgrad == DGRAD_REDUCE_SCATTER:
         grad_input = grad_total.new_empty(input.shape)
-        handle = dist.reduce_scatter_tensor(grad_input, grad_total, group=pg, async_op=True)
+        handle = dist.reduce_scatter_tensor(grad_input, grad_total, group=pg, async_op=True) if talk else None
     else:
         grad_input = grad_total
     go = grad_output.reshape(-1, grad_output.shape[-1])

@@ -48,9 +48,24 @@ def dataset(n, vocab=1000, seed=3, family="gpt2"):
     return [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()} for x in ids]
 
 
-def run_layout(tp=1, pp=1, cp=1, sp=False, distopt=False, vpp_layers=None, precision="bf16", mode="train",
-               steps=STEPS, total_steps=STEPS, save_dir=None, load_dir=None, recompute=False, compile=None,
-               family="gpt2", frozen=False, wgrad_fusion=None):
+def run_layout(*args, cpp_wrapper=False, **kwargs):
+    """`_run_layout`; with cpp_wrapper every compiled layer under Inductor's C++ wrapper, where the engine's rule
+    (engine/gpu.wants_cpp_wrapper) would not give it (TP > 1)."""
+    if not cpp_wrapper:
+        return _run_layout(*args, **kwargs)
+    from megatron_plugin.engine import gpu
+
+    rule = gpu.wants_cpp_wrapper
+    gpu.wants_cpp_wrapper = lambda layer, compile_kwargs: True
+    try:
+        return _run_layout(*args, **kwargs)
+    finally:
+        gpu.wants_cpp_wrapper = rule  # the process serves later tasks (tests/spawn.py)
+
+
+def _run_layout(tp=1, pp=1, cp=1, sp=False, distopt=False, vpp_layers=None, precision="bf16", mode="train",
+                steps=STEPS, total_steps=STEPS, save_dir=None, load_dir=None, recompute=False, compile=None,
+                family="gpt2", frozen=False, wgrad_fusion=None):
     """compile: None (eager), "plugin" (MegatronLMPlugin(torch_compile=True)), "accelerate"
     (Accelerator(dynamo_backend="inductor"), as `accelerate config` sets it) or "cuda_graphs" (accelerate's
     TorchDynamoPlugin with mode="reduce-overhead")."""
