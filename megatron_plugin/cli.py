@@ -26,7 +26,7 @@ from .errors import MegatronPluginConfigError
 from .launch_config import MACHINE_KEYS, check_machines
 from .placement import tp_warning
 from .plugin import (ENV_FIELDS, PARSERS, MegatronLMPlugin, check_compile, check_cpu_support, check_mixed_precision,
-                     parse_bool, parse_float, parse_int, parse_str)
+                     fp8_from_accelerate, parse_bool, parse_float, parse_int, parse_str)
 
 PRECISIONS = ("no", "fp16", "bf16")
 _OFF = object()  # a question not asked takes the answer that turns its feature off (see _off_on_cpu)
@@ -181,19 +181,26 @@ def ask(question: Question, input_fn=input, print_fn=print, answers=None):
             print_fn(f"  {err.fix}")
 
 
-def checked_plugin(settings: dict, world_size: int, cpu: bool, compile_backend, mixed_precision, names: dict):
+def checked_plugin(settings: dict, world_size: int, cpu: bool, dynamo: Optional[dict], mixed_precision, names: dict):
     """The plugin these settings make, validated as the launched script will validate it (with the world
-    size, on CPU or CUDA, compiled or not). An error names the setting as the user wrote it: `names` maps
-    the plugin's names to the questionnaire's flags or the YAML's keys."""
+    size, on CPU or CUDA, compiled or not). `dynamo`: accelerate's torch.compile arguments (backend, mode), None
+    for its backend 'no'; the layers compile with them, or with the plugin's torch_compile switch
+    (resolve.layer_compile_kwargs). An error names the setting as the user wrote it: `names` maps the plugin's
+    names to the questionnaire's flags or the YAML's keys."""
     try:
         plugin = MegatronLMPlugin(**settings)
         plugin.validate(world_size=world_size)
+        # accelerate's mixed_precision 'fp8' is this plugin's FP8 around bf16 (Accelerator does the same)
+        plugin, mixed_precision = fp8_from_accelerate(plugin, mixed_precision)
         if cpu:
             check_cpu_support(plugin)
-        if compile_backend:
-            check_compile(plugin, {"backend": compile_backend}, "cpu" if cpu else "cuda")
+        compile_kwargs = dynamo if dynamo is not None else ({} if plugin.torch_compile else None)
+        if compile_kwargs is not None:
+            check_compile(plugin, compile_kwargs, "cpu" if cpu else "cuda")
         check_mixed_precision(mixed_precision, "cpu" if cpu else "cuda")
     except MegatronPluginConfigError as err:
+        if err.setting == "fp8" and "fp8" not in settings:  # it came from mixed_precision
+            raise MegatronPluginConfigError(names.get("mixed_precision", "mixed_precision"), "fp8", err.fix) from None
         raise MegatronPluginConfigError(names.get(err.setting, err.setting), err.value, err.fix) from None
     return plugin
 
@@ -204,7 +211,7 @@ def plugin_from_answers(a: dict):
                     gradient_clipping=a["gradient_clipping"], sequence_parallelism=a["sp"] and a["tp"] > 1,
                     recompute_activations=a["recompute"], use_distributed_optimizer=a["distributed_optimizer"])
     settings.update(a.get("extra") or {})
-    return checked_plugin(settings, a["num_processes"], a["cpu"], "inductor" if a.get("compile") else None,
+    return checked_plugin(settings, a["num_processes"], a["cpu"], {"backend": "inductor"} if a.get("compile") else None,
                           a["mixed_precision"], FLAGS)
 
 
@@ -226,11 +233,14 @@ def plugin_from_yaml(data: dict, path: str):
                   f"megatron_lm_tp_degree*megatron_lm_context_parallel_size*megatron_lm_pp_degree in {path}",
               "num_processes": f"num_processes in {path}", "mixed_precision": f"mixed_precision in {path}",
               "dynamo_backend": f"dynamo_config.dynamo_backend in {path}"}
-    backend = str((data.get("dynamo_config") or {}).get("dynamo_backend") or data.get("dynamo_backend") or "no")
+    dynamo_config = data.get("dynamo_config") or {}
+    backend = str(dynamo_config.get("dynamo_backend") or data.get("dynamo_backend") or "no").lower()
+    # what accelerate's TorchDynamoPlugin hands torch.compile in the launched processes (its mode decides CUDA
+    # graphs, which fp8 and the fused weight gradient refuse: plugin.check_compile)
+    dynamo = None if backend == "no" else {"backend": backend, "mode": str(dynamo_config.get("dynamo_mode") or "default")}
     # the launched script runs on CPU when told to, or when there is no GPU
     cpu = bool(data.get("use_cpu")) or not torch.cuda.is_available()
-    return checked_plugin(settings, data["num_processes"], cpu, None if backend.lower() == "no" else backend.lower(),
-                          data.get("mixed_precision"), names)
+    return checked_plugin(settings, data["num_processes"], cpu, dynamo, data.get("mixed_precision"), names)
 
 
 def to_yaml_dict(a: dict) -> dict:

@@ -137,6 +137,7 @@ def _check_top_level(data: dict, path: str, launching: bool) -> None:
     """What accelerate's config loader would refuse with a raw ValueError, or ignore without a word."""
     from accelerate.commands.config.config_args import ClusterConfig
     from accelerate.utils import DistributedType, DynamoBackend, PrecisionType
+    from accelerate.utils.constants import TORCH_DYNAMO_MODES
 
     # fp16 and dynamo_backend: older spellings accelerate still reads
     known = set(ClusterConfig.__dataclass_fields__) | {"fp16", "dynamo_backend"}
@@ -162,6 +163,8 @@ def _check_top_level(data: dict, path: str, launching: bool) -> None:
         raise MegatronPluginConfigError(f"dynamo_config in {path}", dynamo, "must be a mapping, e.g. {dynamo_backend: INDUCTOR}")
     if dynamo.get("dynamo_backend") is not None:
         _one_of("dynamo_config.dynamo_backend", str(dynamo["dynamo_backend"]).upper(), [b.value for b in DynamoBackend], path)
+    if dynamo.get("dynamo_mode") is not None:
+        _one_of("dynamo_config.dynamo_mode", str(dynamo["dynamo_mode"]), list(TORCH_DYNAMO_MODES), path)
     if launching and "num_processes" not in data:
         raise MegatronPluginConfigError(f"num_processes in {path}", None,
                                         "add `num_processes: N` (the processes to start: GPUs, or CPU processes)")

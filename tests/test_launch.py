@@ -204,6 +204,9 @@ BAD_CONFIGS = {
                 ["megatron_lm_config.megatron_lm_attention_dropout in ", "[0, 1)"]),
     "recompute_method": (CPU + "num_processes: 1\nmegatron_lm_config:\n  megatron_lm_recompute_method: blocks\n", ".yaml",
                          ["megatron_lm_config.megatron_lm_recompute_method in ", "'blocks'", "uniform"]),
+    "dynamo_mode": (CPU + "num_processes: 1\ndynamo_config:\n  dynamo_backend: INDUCTOR\n  dynamo_mode: reduce_overhead\n",
+                    ".yaml", ["dynamo_config.dynamo_mode in ", "did you mean 'reduce-overhead'"]),
+    "fp8_on_cpu": (CPU + "num_processes: 1\nmixed_precision: fp8\n", ".yaml", ["mixed_precision in ", "='fp8'", "unset on CPU"]),
 }
 
 
@@ -222,6 +225,30 @@ def test_launch_refuses_bad_configs_before_starting_anything(tmp_path, monkeypat
         assert err.startswith("error: ") and str(path) in err, (name, err)
         for w in words:
             assert w in err, (name, w, err)
+
+
+def test_launch_checks_the_compile_mode_as_the_launched_script_will(tmp_path, monkeypatch):
+    """accelerate's dynamo_mode reaches torch.compile in the launched processes: a mode that replays CUDA graphs is
+    refused with FP8 (mixed_precision fp8) before anything starts, naming the setting as written; the default mode
+    and no compile pass. (On a CUDA machine: the launcher checks the device it will run on.)"""
+    from megatron_plugin import cli
+    from megatron_plugin.errors import MegatronPluginConfigError
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    base = "distributed_type: MEGATRON_LM\nnum_processes: 1\nmixed_precision: fp8\n"
+    path = str(tmp_path / "cfg.yaml")
+    graphs = {"dynamo_config": {"dynamo_backend": "INDUCTOR", "dynamo_mode": "reduce-overhead"}}
+    import yaml
+
+    data = yaml.safe_load(base)
+    with pytest.raises(MegatronPluginConfigError) as err:
+        cli.plugin_from_yaml({**data, **graphs}, path)
+    assert err.value.setting == f"mixed_precision in {path}" and err.value.value == "fp8", err.value
+    assert "'reduce-overhead' replays CUDA graphs" in str(err.value), err.value
+    for dynamo in ({"dynamo_backend": "INDUCTOR"}, {"dynamo_backend": "INDUCTOR", "dynamo_mode": "default"}, {}):
+        assert cli.plugin_from_yaml({**data, "dynamo_config": dynamo}, path).fp8 == "hybrid"
+    # bf16 under CUDA graphs: the fused weight gradient resolves to off there, nothing to refuse
+    assert cli.plugin_from_yaml({**data, **graphs, "mixed_precision": "bf16"}, path).fp8 is None
 
 
 def test_launch_starts_a_good_config_and_refuses_a_bad_one_without_traceback(tmp_path):
