@@ -38,7 +38,9 @@
 #               graphs (reduce-overhead), with CUDA_DEVICE_MAX_CONNECTIONS=1                      ~6 min
 #   two_gpu_profiles (nvidia-h200-x2) profiles at 774M: TP = 2 + SP, DP = 2 (distributed optimizer, global 16),
 #               one GPU: where each two-GPU step exceeds half the one-GPU step                   ~5 min
-#   two_gpu_nccl  (nvidia-h200-x2) the GPUs' link: topology, NVLink state, NCCL's transport, collective bandwidth  ~1 min
+#   two_gpu_nccl  (nvidia-h200-x2) the GPUs' link: topology, NVLink state, NCCL's transport, collective bandwidth;
+#               then whether overlapping TP's collectives with its GEMMs (torch's symmetric-memory fused ops) pays
+#               at 774M's shapes (benchmarks/async_tp_probe.py)                                     ~2 min
 #   two_gpu_tests (nvidia-h200-x2) every test in tests/gpu marked two_gpus (the backlog since issue 11), in
 #               file order; pass file names after the stage to run a part                        ~10 min
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
@@ -121,7 +123,8 @@ case "$stage" in
     { nvidia-smi topo -m; nvidia-smi nvlink -s | head -40; env | grep -E "^(NCCL|TORCH_SYMM|NVSHMEM)" ; } \
       > "$out/two_gpu_nccl.log" 2>&1
     NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,TUNING torchrun --nproc-per-node 2 benchmarks/nccl_bandwidth.py \
-      >> "$out/two_gpu_nccl.log" 2>&1 ;;
+      >> "$out/two_gpu_nccl.log" 2>&1
+    torchrun --nproc-per-node 2 benchmarks/async_tp_probe.py 2>&1 | tee "$out/async_tp_probe.log" ;;
   two_gpu_tests)
     shift
     python -m pytest -v -m two_gpus -rs --durations 0 "${@:-tests/gpu}" 2>&1 | tee "$out/two_gpu_tests.log" ;;

@@ -47,6 +47,19 @@ def _hf_reference():
     return losses, _expert_deltas(checkpoint_state_dict(hf), before)
 
 
+def _run_steps(engine, loader):
+    """STEPS training steps: each one's loss and logged metrics (the router losses, tokens per expert)."""
+    engine.train()
+    losses, metrics = [], []
+    for batch in loader:
+        out = engine(**batch)
+        losses.append(out.loss.item())
+        metrics.append({k: v.tolist() for k, v in engine.metrics.items()})
+        if len(losses) == STEPS:
+            break
+    return losses, metrics
+
+
 def _megatron_worker(wgrad_fusion, compiled=False):
     import megatron_plugin.layers.moe as moe
     from megatron_plugin import Accelerator, MegatronLMPlugin
@@ -69,12 +82,7 @@ def _megatron_worker(wgrad_fusion, compiled=False):
         opt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=0.0)
         loader = DataLoader(token_dataset(STEPS * MICRO, hf.config.vocab_size), batch_size=MICRO, shuffle=False)
         engine, opt, loader = acc.prepare(hf, opt, loader)
-        engine.train()
-        losses, metrics = [], []
-        for batch in loader:
-            out = engine(**batch)
-            losses.append(out.loss.item())
-            metrics.append({k: v.tolist() for k, v in engine.metrics.items()})
+        losses, metrics = _run_steps(engine, loader)
         after = {name: t.float().cpu() for name, t in engine.iter_hf_weights()}
         deltas = _expert_deltas(after, {k: v for k, v in before.items() if k in after})
         return {"losses": losses, "metrics": metrics, "grouped_calls": grouped_calls[0], "deltas": deltas}
@@ -103,7 +111,7 @@ def test_moe_bf16_grouped_training_tracks_hf_fp32(wgrad_fusion, compiled):
 
 
 def _layout_worker(plugin_kwargs, micro, num_micro, aux, precision="bf16"):
-    """One run of the tiny Qwen3-MoE in bf16 under a parallel layout: each step's loss and metrics, and the
+    """One run of the tiny Qwen3-MoE (bf16 unless told) under a parallel layout: each step's loss and metrics, and the
     trained weights (whole, on every rank). Rows are laid out so that every layout sees the same micro-batches:
     rank r of a data-parallel group of `dp` takes rows [step * 4 + r * micro, ...) of each step's 4."""
     import os
@@ -119,14 +127,7 @@ def _layout_worker(plugin_kwargs, micro, num_micro, aux, precision="bf16"):
     # padded SFT rows: under PP the later stages slice the padding mask themselves (train_steps/moe.py)
     loader = DataLoader(sft_dataset(STEPS * 4, hf.config.vocab_size), batch_size=micro, shuffle=False)
     engine, opt, loader = acc.prepare(hf, opt, loader)
-    engine.train()
-    losses, metrics = [], []
-    for batch in loader:
-        out = engine(**batch)
-        losses.append(out.loss.item())
-        metrics.append({k: v.tolist() for k, v in engine.metrics.items()})
-        if len(losses) == STEPS:
-            break
+    losses, metrics = _run_steps(engine, loader)
     weights = {name: t.float().cpu() for name, t in engine.iter_hf_weights()}
     acc.end_training()
     return {"losses": losses, "metrics": metrics, "weights": weights, "world": world}

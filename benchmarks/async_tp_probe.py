@@ -1,0 +1,93 @@
+"""Would overlapping TP's communication with its GEMMs pay on this machine? The sequence-parallel linears of a
+GPT-2 774M layer (hidden 1280, 16 x 1024 tokens, TP = 2) two ways, one process a GPU:
+
+    torchrun --nproc-per-node 2 benchmarks/async_tp_probe.py
+
+- column-parallel (qkv, fc1): all-gather of the sequence shard, then the GEMM (what layers/compiled_linear.py
+  runs), against torch's `fused_all_gather_matmul` (symmetric memory: the gather in chunks, each chunk's GEMM
+  as soon as it lands);
+- row-parallel (proj, fc2): the GEMM, then the reduce-scatter, against `fused_matmul_reduce_scatter`.
+
+Prints each op's time both ways and the largest difference of the results. At 774M on two H200s the
+unoverlapped collectives were 88 ms of a 184 ms TP = 2 + SP step (BENCHMARKS.md, issue 32 check 5): this says
+how much of that an overlap could hide before the linears are built around it. NVLink multicast stays off
+(TORCH_SYMM_MEM_DISABLE_MULTICAST=1, set here unless set): the lent machines require it, and these ops do not
+need it."""
+
+import os
+
+os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
+
+import argparse  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def timed(fn, iters=30):
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters * 1e3
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1280)
+    p.add_argument("--tokens", type=int, default=16 * 1024)
+    args = p.parse_args()
+    dist.init_process_group("nccl")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    import torch.distributed._symmetric_memory as symm_mem
+
+    group = dist.group.WORLD
+    symm_mem.enable_symm_mem_for_group(group.group_name)
+    h, n = args.hidden, args.tokens
+    g = torch.Generator(device="cuda").manual_seed(rank)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g, device="cuda", dtype=torch.bfloat16) * 0.05
+
+    rows = []
+    for name, width in (("qkv", 3 * h), ("fc1", 4 * h)):  # column-parallel: [n / world, h] gathered, times [h, width / world]
+        a_shard, w = rand(n // world, h), rand(h, width // world)
+
+        def plain():
+            whole = torch.empty(n, h, device="cuda", dtype=torch.bfloat16)
+            dist.all_gather_into_tensor(whole, a_shard)
+            return whole @ w
+
+        def fused():
+            # return_A: the weight gradient needs the gathered input (and it keeps torch off its multicast path)
+            return symm_mem._fused_all_gather_matmul(a_shard, [w], 0, group.group_name, return_A=True)[1][0]
+
+        rows.append((f"{name}: all-gather + GEMM", timed(plain), timed(fused), (plain() - fused()).abs().max().item()))
+    for name, width in (("proj", h), ("fc2", 4 * h)):  # row-parallel: [n, width / world] times [width / world, h], summed
+        a, w = rand(n, width // world), rand(width // world, h)
+
+        def plain():
+            out = torch.empty(n // world, h, device="cuda", dtype=torch.bfloat16)
+            dist.reduce_scatter_tensor(out, a @ w)
+            return out
+
+        def fused():
+            return symm_mem._fused_matmul_reduce_scatter(a, w, "sum", 0, group.group_name)
+
+        rows.append((f"{name}: GEMM + reduce-scatter", timed(plain), timed(fused), (plain() - fused()).abs().max().item()))
+    if rank == 0:
+        print(f"hidden {h}, {n} tokens, TP = {world}, bf16")
+        for label, t_plain, t_fused, diff in rows:
+            print(f"{label:32s} plain {t_plain:7.3f} ms  fused {t_fused:7.3f} ms  ({t_plain / t_fused:4.2f}x)  "
+                  f"max |diff| {diff:.2e}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
