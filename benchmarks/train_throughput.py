@@ -188,7 +188,8 @@ def build_step(args):
                                   torch_compile=args.mode == "megatron_compile",
                                   fp8=args.fp8 or None, fp8_recipe=args.fp8_recipe,
                                   first_last_layers_bf16=not args.fp8_all_layers,
-                                  manual_gc=args.manual_gc is not None, manual_gc_interval=args.manual_gc or 0)
+                                  manual_gc=args.manual_gc is not None, manual_gc_interval=args.manual_gc or 0,
+                                  other_megatron_args={"tp_comm_overlap": True} if args.tp_comm_overlap else {})
         dynamo = {}
         if args.compile_mode and args.mode == "megatron_compile":  # through accelerate's knob, as a user sets it
             from accelerate.utils import TorchDynamoPlugin
@@ -260,7 +261,8 @@ def measure(args):
     name = torch.cuda.get_device_name()
     variant = args.mode
     if args.mode.startswith("megatron"):
-        variant += "".join(f"+{f}" for f in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion") if getattr(args, f))
+        variant += "".join(f"+{f}" for f in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion",
+                                             "tp_comm_overlap") if getattr(args, f))
     if args.compile_mode and args.mode.endswith("compile"):
         variant += f" mode={args.compile_mode}"
     if args.lora_r:
@@ -295,7 +297,8 @@ def drive(args):
             cmd += ["--fp8_all_layers"] if args.fp8 and args.fp8_all_layers else []
             cmd += ["--manual_gc", str(args.manual_gc)] if args.manual_gc is not None else []
             cmd += ["--cpp_wrapper", args.cpp_wrapper]
-            cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion") if getattr(args, flag)]
+            cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion",
+                                             "tp_comm_overlap") if getattr(args, flag)]
             if args.nproc > 1:
                 cmd = ["torchrun", "--nproc-per-node", str(args.nproc)] + cmd[1:]
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -349,6 +352,8 @@ def parser(description=__doc__.splitlines()[0]):
                    help="megatron_compile: Inductor's C++ wrapper for every compiled layer (on), for none (off), or as "
                         "the engine chooses (auto: engine/gpu.wants_cpp_wrapper); to time the choice, one GPU only")
     p.add_argument("--sp", action="store_true")
+    p.add_argument("--tp_comm_overlap", action="store_true",
+                   help="megatron: other_megatron_args={'tp_comm_overlap': True} (SP's collectives overlapped with the GEMMs)")
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--fused", action="store_true", help="megatron: MegatronLMPlugin(fused_kernels=True)")

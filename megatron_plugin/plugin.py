@@ -977,6 +977,37 @@ def check_compile(plugin: MegatronLMPlugin, compile_kwargs: Optional[dict], devi
         )
 
 
+def check_tp_comm_overlap(plugin: MegatronLMPlugin, device_type: str, compile_kwargs: Optional[dict],
+                          fusion: bool) -> None:
+    """Megatron's `tp_comm_overlap` (a TransformerConfig field, so it comes in other_megatron_args): sequence
+    parallelism's all-gathers and reduce-scatters overlapped with the GEMMs next to them, through torch's
+    symmetric-memory ops (layers/compiled_linear.py) where Megatron needs Transformer Engine's userbuffers. It runs
+    where the linears are our ops: on CUDA, in compiled layers with the fused weight gradient. Anywhere else it
+    would do nothing, so it is refused there. `fusion`: gradient_accumulation_fusion as resolved."""
+    value = (plugin.other_megatron_args or {}).get("tp_comm_overlap") if isinstance(plugin.other_megatron_args, dict) else None
+    if not value:
+        return
+    setting = "other_megatron_args['tp_comm_overlap']"
+    if value is not True:
+        raise MegatronPluginConfigError(setting, value, "pass True or False")
+    if device_type != "cuda":
+        raise MegatronPluginConfigError(setting, True, "it overlaps NCCL collectives with GEMMs through CUDA's symmetric "
+                                        "memory: remove it for a CPU run")
+    if plugin.tp_degree < 2 or not plugin.sequence_parallelism:
+        raise MegatronPluginConfigError(
+            setting, True, f"it overlaps sequence parallelism's all-gathers and reduce-scatters (tp_degree="
+            f"{plugin.tp_degree}, sequence_parallelism={plugin.sequence_parallelism}): set tp_degree >= 2 and "
+            "sequence_parallelism=True, or remove it")
+    if compile_kwargs is None or not fusion:
+        raise MegatronPluginConfigError(
+            setting, True, "it runs in compiled layers with the fused weight gradient: set torch_compile=True (or "
+            "accelerate's dynamo_backend) in the default compile mode, with gradient_accumulation_fusion unset or "
+            "True, or remove it")
+    if plugin.fp8:
+        raise MegatronPluginConfigError(setting, True, "the FP8 linears run their own GEMMs and collectives: leave fp8 "
+                                        "unset with it, or remove it")
+
+
 def uses_cuda_graphs(compile_kwargs: Optional[dict]) -> bool:
     """Whether torch.compile with these arguments captures CUDA graphs (Inductor's cudagraph trees)."""
     if not compile_kwargs:

@@ -155,6 +155,8 @@ def _prepare_errors():
     for key, value in (("apply_rope_fusion", False), ("rotary_interleaved", True)):  # the rope our tables need
         expect(key, lambda: _prepare(plugin=MegatronLMPlugin(other_megatron_args={key: value}), model=tiny_llama()))
     expect("step_as_instance", lambda: _prepare(plugin=MegatronLMPlugin(custom_train_step_class=object())))
+    # Megatron's TE-only switch, done here through torch's symmetric memory on CUDA: never silently ignored
+    expect("tp_comm_overlap_on_cpu", lambda: _prepare(plugin=MegatronLMPlugin(other_megatron_args={"tp_comm_overlap": True})))
 
     def missing_from_optimizer():
         model = tiny()
@@ -184,6 +186,7 @@ def test_prepare_refuses_before_distributed_work():
         "apply_rope_fusion": ("other_megatron_args['apply_rope_fusion']", "gives True", "remove the key"),
         "rotary_interleaved": ("other_megatron_args['rotary_interleaved']", "gives False", "remove the key"),
         "step_as_instance": ("custom_train_step_class", "subclass"),
+        "tp_comm_overlap_on_cpu": ("other_megatron_args['tp_comm_overlap']", "symmetric memory", "remove it for a CPU run"),
         "trainable_not_in_optimizer": ("optimizer", "transformer.h.1.mlp.c_fc.weight", "requires_grad_(False)"),
         "warmup": ("warmup_num_steps", "shorter than the 4"),
     }

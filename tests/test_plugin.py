@@ -108,6 +108,31 @@ def test_fp8_refused_under_cuda_graphs(clean_env, kwargs):
     check_compile(MegatronLMPlugin(), dict(backend="inductor", **kwargs), "cuda")
 
 
+def test_tp_comm_overlap_runs_where_the_linears_are_ops_else_refused(clean_env):
+    """Megatron's tp_comm_overlap (other_megatron_args) runs in compiled layers with the fused weight gradient, under
+    TP + SP on CUDA (layers/compiled_linear.py); anywhere else it would do nothing, so prepare refuses it, naming it."""
+    from megatron_plugin.plugin import check_tp_comm_overlap
+
+    def plugin(**kw):
+        return MegatronLMPlugin(**{"tp_degree": 2, "sequence_parallelism": True,
+                                   "other_megatron_args": {"tp_comm_overlap": True}, **kw})
+
+    compiled = {"backend": "inductor"}
+    check_tp_comm_overlap(plugin(), "cuda", compiled, True)  # where it runs
+    check_tp_comm_overlap(MegatronLMPlugin(other_megatron_args={"tp_comm_overlap": False}), "cpu", None, False)
+    refusals = [
+        ((plugin(), "cpu", compiled, True), "remove it for a CPU run"),
+        ((plugin(sequence_parallelism=False), "cuda", compiled, True), "sequence_parallelism=False.*set tp_degree >= 2"),
+        ((plugin(), "cuda", None, True), "compiled layers with the fused weight gradient"),
+        ((plugin(), "cuda", compiled, False), "gradient_accumulation_fusion unset or True"),
+        ((plugin(fp8="hybrid"), "cuda", compiled, True), "leave fp8 unset"),
+        ((plugin(other_megatron_args={"tp_comm_overlap": "yes"}), "cuda", compiled, True), "True or False"),
+    ]
+    for args, words in refusals:
+        with pytest.raises(MegatronPluginConfigError, match=r"other_megatron_args\['tp_comm_overlap'\].*" + words):
+            check_tp_comm_overlap(*args)
+
+
 def test_sequence_parallel_needs_tp(clean_env):
     with pytest.raises(MegatronPluginConfigError, match="tp_degree > 1"):
         MegatronLMPlugin(sequence_parallelism=True)

@@ -180,7 +180,7 @@ def test_compiled_layers_with_linear_ops_match_eager_gradients(family, world_siz
         assert res["graph_breaks"] == 0, res  # the linears and TP sums stay inside the compiled graphs
 
 
-def _sequence_parallel_ops_worker(cpp_wrapper=False):
+def _sequence_parallel_ops_worker(cpp_wrapper=False, overlap=False):
     """Sequence parallelism through the ops (all-gather of the input, reduce-scatter of the input
     gradient and of the row-parallel sum) against plain TP = 2 without it, on the transformer block:
     the CPU engine itself refuses SP, since mcore's embedding and buffers gather on CUDA."""
@@ -189,16 +189,13 @@ def _sequence_parallel_ops_worker(cpp_wrapper=False):
     torch._dynamo.reset()  # a pooled worker may hold these layers compiled under the other wrapper
     inductor_config.cpp_wrapper = cpp_wrapper  # process-wide, as engine/gpu.use_cpp_wrapper sets it
     try:
-        return _sequence_parallel_ops_run()
+        return _sequence_parallel_ops_run(overlap)
     finally:
         inductor_config.cpp_wrapper = False
         torch._dynamo.reset()
 
 
-def _sequence_parallel_ops_run():
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-
+def _sequence_parallel_ops_run(overlap):
     from megatron_plugin import MegatronLMPlugin
     from megatron_plugin.engine.distributed import initialize
     from megatron_plugin.models.modeling import MegatronModel
@@ -210,6 +207,31 @@ def _sequence_parallel_ops_run():
     plain = MegatronModel.from_hf(hf, MegatronLMPlugin(tp_degree=2)).module.decoder
     sp = MegatronModel.from_hf(hf, sp_plugin).module.decoder
     _compile_with_linear_ops(sp.layers)
+    # Megatron's tp_comm_overlap (other_megatron_args): the SP collectives fused with their GEMMs, here through
+    # torch's reference of its symmetric-memory ops (the GPU runs the ops themselves); counted to show they ran
+    sp.layers[0].config.tp_comm_overlap = overlap
+    calls = {"ag_matmul": 0, "matmul_rs": 0}
+    reals = {name: getattr(compiled_linear, "_" + name) for name in calls}
+    for name, real in reals.items():
+
+        def counted(*args, _real=real, _name=name):
+            calls[_name] += 1
+            return _real(*args)
+
+        setattr(compiled_linear, "_" + name, counted)
+    try:
+        res = _sequence_parallel_ops_compare(hf, plain, sp)
+    finally:  # the process serves later tasks (tests/spawn.py)
+        for name, real in reals.items():
+            setattr(compiled_linear, "_" + name, real)
+    res["calls"] = calls
+    return res
+
+
+def _sequence_parallel_ops_compare(hf, plain, sp):
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
     rank, group = parallel_state.get_tensor_model_parallel_rank(), parallel_state.get_tensor_model_parallel_group()
     g = torch.Generator().manual_seed(4)
     h = torch.randn(8, 2, hf.config.n_embd, generator=g)
@@ -236,13 +258,18 @@ def _sequence_parallel_ops_run():
     return res
 
 
-@pytest.mark.parametrize("cpp_wrapper", [False, True], ids=["python_wrapper", "cpp_wrapper"])
-def test_sequence_parallel_linear_ops_match_plain_tensor_parallel(cpp_wrapper):
+@pytest.mark.parametrize("cpp_wrapper,overlap", [(False, False), (True, False), (False, True)],
+                         ids=["python_wrapper", "cpp_wrapper", "tp_comm_overlap"])
+def test_sequence_parallel_linear_ops_match_plain_tensor_parallel(cpp_wrapper, overlap):
     """cpp_wrapper: the TP ops (a group name, flags, a list of tensors back) called from Inductor's C++ wrapper,
-    which the GPU engine gives layers without collectives in them (engine/gpu.wants_cpp_wrapper)."""
-    for res in run_on_ranks(_sequence_parallel_ops_worker, 2, cpp_wrapper):
+    which the GPU engine gives layers without collectives in them (engine/gpu.wants_cpp_wrapper).
+    tp_comm_overlap: the column linears' gather + GEMM and the row linears' GEMM + reduce-scatter as one op each
+    way (2 layers x 2 of each, forward and backward)."""
+    for res in run_on_ranks(_sequence_parallel_ops_worker, 2, cpp_wrapper, overlap):
         assert res["out"] < 1e-5 and res["dinput"] < 1e-5, res
         assert res["worst_grad_rel"] < 1e-4, res
+        # forward: qkv, fc1 gathered-and-multiplied, proj, fc2 multiplied-and-scattered; backward the other way
+        assert res["calls"] == ({"ag_matmul": 8, "matmul_rs": 8} if overlap else {"ag_matmul": 0, "matmul_rs": 0}), res
 
 
 def _silent_in_codegen_worker():

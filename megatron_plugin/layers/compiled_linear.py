@@ -88,6 +88,65 @@ _all_reduce_op = _define("tp_all_reduce(Tensor x, str group) -> Tensor", _all_re
                          lambda x, group: x.new_empty(x.shape))
 
 
+# TP communication overlapped with the GEMMs (Megatron's `tp_comm_overlap`, which needs TE's userbuffers there):
+# torch's symmetric-memory ops gather (or reduce-scatter) in chunks, each chunk's GEMM running as soon as its
+# part has landed. Under sequence parallelism only, where the collectives sit right before or after a GEMM.
+# Off CUDA, torch's own reference of the same ops (the collective, then the GEMM) runs instead, for CPU tests.
+_SYMM_MEM_GROUPS = set()
+
+
+def _symm_mem(group: str, cuda: bool):
+    import torch.distributed._symmetric_memory as symm_mem
+
+    if cuda and group not in _SYMM_MEM_GROUPS:
+        symm_mem.enable_symm_mem_for_group(group)
+        _SYMM_MEM_GROUPS.add(group)
+    return symm_mem
+
+
+def _ag_matmul(a: torch.Tensor, b: torch.Tensor, group: str) -> Tuple[torch.Tensor, torch.Tensor]:
+    """(a gathered along dim 0 over the group, that times b), the gather overlapped with the GEMM."""
+    if in_inductor_codegen():  # see _gather_seq
+        total = a.new_empty(a.shape[0] * _size(group), a.shape[1])
+        return total, a.new_empty(total.shape[0], b.shape[1])
+    symm_mem = _symm_mem(group, a.is_cuda)
+    fused = symm_mem._fused_all_gather_matmul if a.is_cuda else symm_mem._fused_all_gather_matmul_fallback
+    # return_A: the weight gradient needs the gathered input (and it keeps torch off its multicast variant)
+    total, (out,) = fused(a.contiguous(), [b], 0, group, return_A=True)
+    return total, out
+
+
+def _matmul_rs(a: torch.Tensor, b: torch.Tensor, group: str) -> torch.Tensor:
+    """(a times b) summed over the group, this rank's part of dim 0, the GEMM overlapped with the reduce-scatter."""
+    if in_inductor_codegen():
+        return a.new_empty(a.shape[0] // _size(group), b.shape[1])
+    symm_mem = _symm_mem(group, a.is_cuda)
+    fused = symm_mem._fused_matmul_reduce_scatter if a.is_cuda else symm_mem._fused_matmul_reduce_scatter_fallback
+    return fused(a.contiguous(), b, "sum", 0, group)
+
+
+def _ag_linear(x: torch.Tensor, weight: torch.Tensor, group: str) -> torch.Tensor:
+    """A column-parallel linear's forward under SP: x [s / tp, ..., h] gathered over the sequence, times
+    weight.T; the result [s, ..., out / tp]."""
+    _, out = _ag_matmul(x.reshape(-1, x.shape[-1]), weight.t(), group)
+    return out.view(x.shape[0] * _size(group), *x.shape[1:-1], weight.shape[0])
+
+
+def _linear_rs(x: torch.Tensor, weight: torch.Tensor, group: str) -> torch.Tensor:
+    """A row-parallel linear's forward under SP: x [s, ..., in / tp] times weight.T, summed over TP, this rank's
+    part of the sequence [s / tp, ..., out]."""
+    out = _matmul_rs(x.reshape(-1, x.shape[-1]), weight.t(), group)
+    return out.view(x.shape[0] // _size(group), *x.shape[1:-1], weight.shape[0])
+
+
+_ag_linear_op = _define("tp_ag_linear(Tensor x, Tensor weight, str group) -> Tensor", _ag_linear,
+                        lambda x, weight, group: x.new_empty(x.shape[0] * _size(group), *x.shape[1:-1],
+                                                             weight.shape[0]))
+_linear_rs_op = _define("tp_linear_rs(Tensor x, Tensor weight, str group) -> Tensor", _linear_rs,
+                        lambda x, weight, group: x.new_empty(x.shape[0] // _size(group), *x.shape[1:-1],
+                                                             weight.shape[0]))
+
+
 def in_inductor_codegen() -> bool:
     """Whether Inductor is compiling a graph right now. Its C++ wrapper runs the graph once while compiling it
     (to tune its kernels), on the call's inputs or on random ones: an op with a side effect (on main_grad) or a
@@ -132,10 +191,14 @@ _fused_wgrad_op = _define("fused_wgrad(Tensor grad_output, Tensor input, Tensor 
 
 def _linear_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, group: str,
                      gather_input: bool, dgrad: int, fuse_wgrad: bool, has_bias: bool,
-                     need_wgrad: bool) -> List[torch.Tensor]:
+                     need_wgrad: bool, overlap: bool = False) -> List[torch.Tensor]:
     """[grad_input, grad_weight, grad_bias]. The input gradient's collective runs while the weight
     gradient is computed, as mcore overlaps them. With `fuse_wgrad` the weight gradient goes into
-    weight.main_grad and grad_weight is what DDP's hook then skips (`grad_added_to_main_grad`)."""
+    weight.main_grad and grad_weight is what DDP's hook then skips (`grad_added_to_main_grad`). With `overlap`
+    (SP's gathered input, reduce-scattered input gradient): the input gradient's GEMM and reduce-scatter run as
+    one overlapped op while NCCL gathers the input for the weight gradient."""
+    if overlap and gather_input and dgrad == DGRAD_REDUCE_SCATTER:
+        return _overlapped_column_backward(grad_output, input, weight, group, fuse_wgrad, has_bias, need_wgrad)
     pg = _resolve_process_group(group) if group else None
     total = _gather_seq(input, group) if gather_input else input
     # contiguous, as the fake says: the compiled caller checks strides
@@ -164,15 +227,54 @@ def _linear_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: tor
     return [grad_input, grad_weight, grad_bias]
 
 
-def _linear_backward_fake(grad_output, input, weight, group, gather_input, dgrad, fuse_wgrad, has_bias, need_wgrad):
+def _weight_grad(go: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, fuse_wgrad: bool,
+                 need_wgrad: bool) -> torch.Tensor:
+    """go^T @ x (2-D), into main_grad with `fuse_wgrad`; nothing for a frozen weight."""
+    if not need_wgrad:
+        return torch.empty_like(weight)
+    return accumulate_wgrad(go, x, weight) if fuse_wgrad else go.t() @ x
+
+
+def _overlapped_column_backward(grad_output, input, weight, group, fuse_wgrad, has_bias, need_wgrad):
+    pg = _resolve_process_group(group)
+    total = input.new_empty(input.shape[0] * pg.size(), *input.shape[1:])
+    handle = (dist.all_gather_into_tensor(total, input.contiguous(), group=pg, async_op=True)
+              if need_wgrad and not in_inductor_codegen() else None)
+    go = grad_output.reshape(-1, grad_output.shape[-1])
+    grad_input = _matmul_rs(go, weight, group).view(input.shape)
+    if handle is not None:
+        handle.wait()
+    grad_weight = _weight_grad(go, total.reshape(-1, total.shape[-1]), weight, fuse_wgrad, need_wgrad)
+    return [grad_input, grad_weight, go.sum(0) if has_bias else go.new_empty(0)]
+
+
+def _linear_backward_fake(grad_output, input, weight, group, gather_input, dgrad, fuse_wgrad, has_bias, need_wgrad,
+                          overlap=False):
     return [input.new_empty(input.shape), torch.empty_like(weight, memory_format=torch.contiguous_format),
             grad_output.new_empty(grad_output.shape[-1] if has_bias else 0)]
 
 
 _linear_backward_op = _define(
     "parallel_linear_backward(Tensor grad_output, Tensor input, Tensor weight, str group, bool gather_input, "
-    "int dgrad, bool fuse_wgrad, bool has_bias, bool need_wgrad) -> Tensor[]",
+    "int dgrad, bool fuse_wgrad, bool has_bias, bool need_wgrad, bool overlap=False) -> Tensor[]",
     _linear_backward, _linear_backward_fake)
+
+
+def _linear_rs_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, group: str,
+                        fuse_wgrad: bool, need_wgrad: bool) -> List[torch.Tensor]:
+    """[grad_input, grad_weight] of `_linear_rs`: this rank's part of the output gradient gathered over the
+    sequence, overlapped with its GEMM against the weight (the input gradient); the gathered gradient then
+    gives the weight gradient."""
+    go_total, grad_input = _ag_matmul(grad_output.reshape(-1, grad_output.shape[-1]), weight, group)
+    grad_weight = _weight_grad(go_total, input.reshape(-1, input.shape[-1]), weight, fuse_wgrad, need_wgrad)
+    return [grad_input.view(input.shape), grad_weight]
+
+
+_linear_rs_backward_op = _define(
+    "tp_linear_rs_backward(Tensor grad_output, Tensor input, Tensor weight, str group, bool fuse_wgrad, "
+    "bool need_wgrad) -> Tensor[]", _linear_rs_backward,
+    lambda grad_output, input, weight, group, fuse_wgrad, need_wgrad: [
+        input.new_empty(input.shape), torch.empty_like(weight, memory_format=torch.contiguous_format)])
 
 
 class _ParallelLinear(torch.autograd.Function):
@@ -180,9 +282,14 @@ class _ParallelLinear(torch.autograd.Function):
     opaque op (`_linear_backward`), or without TP only the fused weight gradient's (`_fused_wgrad`)."""
 
     @staticmethod
-    def forward(ctx, input, weight, bias, group, gather_input, dgrad, fuse_wgrad):
+    def forward(ctx, input, weight, bias, group, gather_input, dgrad, fuse_wgrad, overlap=False):
         ctx.save_for_backward(input, weight)
+        overlap = bool(overlap and gather_input and group)
         ctx.args = (group, gather_input, dgrad, fuse_wgrad, bias is not None)
+        ctx.overlap = overlap
+        if overlap:
+            out = _ag_linear_op(input, weight, group)
+            return out + bias if bias is not None else out
         total = _gather_seq_op(input, group) if gather_input else input
         return torch.nn.functional.linear(total, weight, bias)
 
@@ -192,14 +299,34 @@ class _ParallelLinear(torch.autograd.Function):
         group, gather_input, dgrad, fuse_wgrad, has_bias = ctx.args
         need_wgrad = ctx.needs_input_grad[1]
         if group or not fuse_wgrad:
-            grad_input, grad_weight, grad_bias = _linear_backward_op(grad_output, input, weight, *ctx.args, need_wgrad)
+            grad_input, grad_weight, grad_bias = _linear_backward_op(grad_output, input, weight, *ctx.args, need_wgrad,
+                                                                     ctx.overlap)
         else:
             # no input gradient where nothing before needs one (a frozen base's first layer under LoRA)
             grad_input = grad_output @ weight if ctx.needs_input_grad[0] else None
             grad_weight = _fused_wgrad_op(grad_output, input, weight) if need_wgrad else None
             grad_bias = grad_output.reshape(-1, grad_output.shape[-1]).sum(0) if has_bias else None
         return (grad_input, grad_weight if need_wgrad else None, grad_bias if has_bias else None,
-                None, None, None, None)
+                None, None, None, None, None)
+
+
+class _RowLinearReduceScatter(torch.autograd.Function):
+    """A row-parallel linear and its sum over TP under SP, as one overlapped op each way (`_linear_rs`,
+    `_linear_rs_backward`)."""
+
+    @staticmethod
+    def forward(ctx, input, weight, group, fuse_wgrad):
+        ctx.save_for_backward(input, weight)
+        ctx.group, ctx.fuse_wgrad = group, fuse_wgrad
+        return _linear_rs_op(input, weight, group)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        input, weight = ctx.saved_tensors
+        need_wgrad = ctx.needs_input_grad[1]
+        grad_input, grad_weight = _linear_rs_backward_op(grad_output.contiguous(), input, weight, ctx.group,
+                                                         ctx.fuse_wgrad, need_wgrad)
+        return grad_input, grad_weight if need_wgrad else None, None, None
 
 
 class _TPReduce(torch.autograd.Function):
@@ -222,9 +349,18 @@ def group_name(group) -> str:
 
 
 def parallel_linear(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], group: str = "",
-                    gather_input: bool = False, dgrad: int = DGRAD_NONE, fuse_wgrad: bool = False) -> torch.Tensor:
-    """input @ weight.T + bias for a column- or row-parallel linear (see the module docstring)."""
-    return _ParallelLinear.apply(input, weight, bias, group, gather_input, dgrad, fuse_wgrad)
+                    gather_input: bool = False, dgrad: int = DGRAD_NONE, fuse_wgrad: bool = False,
+                    overlap: bool = False) -> torch.Tensor:
+    """input @ weight.T + bias for a column- or row-parallel linear (see the module docstring); `overlap`: a
+    gathered input's all-gather overlapped with the GEMM, and the input gradient's reduce-scatter with its GEMM."""
+    return _ParallelLinear.apply(input, weight, bias, group, gather_input, dgrad, fuse_wgrad, overlap)
+
+
+def row_linear_reduce_scatter(input: torch.Tensor, weight: torch.Tensor, group: str,
+                              fuse_wgrad: bool = False) -> torch.Tensor:
+    """`tp_reduce(parallel_linear(input, weight, None, group), group, scatter_seq=True)` with the reduce-scatter
+    overlapped with the GEMM, and the output gradient's all-gather with the input gradient's GEMM."""
+    return _RowLinearReduceScatter.apply(input, weight, group, fuse_wgrad)
 
 
 def tp_reduce(x: torch.Tensor, group: str, scatter_seq: bool) -> torch.Tensor:

@@ -81,8 +81,14 @@ def _ops_linear(layer, input, weight, kwargs):
     gather_input, dgrad = compiled_linear.column_args(kwargs)
     return compiled_linear.parallel_linear(
         input, weight, kwargs.get("bias"), compiled_linear.group_name(layer.tp_group), gather_input, dgrad,
-        fuse_wgrad=bool(kwargs.get("gradient_accumulation_fusion")),
+        fuse_wgrad=bool(kwargs.get("gradient_accumulation_fusion")), overlap=_overlaps(layer),
     )
+
+
+def _overlaps(layer) -> bool:
+    """Megatron's `tp_comm_overlap` (other_megatron_args; resolve.check_tp_comm_overlap says where it runs): SP's
+    collectives overlapped with the GEMMs next to them (`compiled_linear._ag_matmul`, `_matmul_rs`)."""
+    return bool(layer.config.tp_comm_overlap and layer.sequence_parallel)
 
 
 def _fuse_only_with_main_grad(weight, kwargs):
@@ -164,9 +170,13 @@ class RowParallelLinear(_McoreRowParallelLinear):
         """mcore's forward for an input split over TP, with the linear and the TP sum (all-reduce, or
         reduce-scatter over the sequence under SP) as `compiled_linear` ops."""
         group = compiled_linear.group_name(self.tp_group)
-        out = compiled_linear.parallel_linear(input_, self.weight, None, group,
-                                              fuse_wgrad=self.gradient_accumulation_fusion)
-        out = compiled_linear.tp_reduce(out, group, scatter_seq=self.sequence_parallel)
+        if _overlaps(self):
+            out = compiled_linear.row_linear_reduce_scatter(input_, self.weight, group,
+                                                            fuse_wgrad=self.gradient_accumulation_fusion)
+        else:
+            out = compiled_linear.parallel_linear(input_, self.weight, None, group,
+                                                  fuse_wgrad=self.gradient_accumulation_fusion)
+            out = compiled_linear.tp_reduce(out, group, scatter_seq=self.sequence_parallel)
         if self.skip_bias_add:
             return out, self.bias
         return (out + self.bias if self.bias is not None else out), None

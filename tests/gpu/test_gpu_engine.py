@@ -33,6 +33,8 @@ LAYOUTS_2GPU = {
     "tp2_sp_compiled_linear_ops": dict(tp=2, sp=True, compile="plugin", wgrad_fusion=True),
     # the same under Inductor's C++ wrapper: the TP ops skip its tuning run (compiled_linear.in_inductor_codegen)
     "tp2_sp_compiled_cpp_wrapper": dict(tp=2, sp=True, compile="plugin", cpp_wrapper=True),
+    # Megatron's tp_comm_overlap through torch's symmetric-memory ops (compiled_linear._ag_matmul / _matmul_rs)
+    "tp2_sp_compiled_tp_comm_overlap": dict(tp=2, sp=True, compile="plugin", tp_comm_overlap=True),
     # CUDA graphs (reduce-overhead) around the eager TP linears; the fused weight gradient is off there
     "tp2_cuda_graphs": dict(tp=2, compile="cuda_graphs"),
 }
@@ -44,6 +46,7 @@ LLAMA_LAYOUTS_2GPU = {
     "llama_tp2_sp_compiled": dict(tp=2, sp=True, compile="plugin"),
     # context parallelism: each rank holds two chunks of every sequence (layers/context_parallel.py)
     "llama_tp2_sp_compiled_cpp_wrapper": dict(tp=2, sp=True, compile="plugin", cpp_wrapper=True),
+    "llama_tp2_sp_compiled_tp_comm_overlap": dict(tp=2, sp=True, compile="plugin", tp_comm_overlap=True),
     "llama_cp2": dict(cp=2),
     "llama_cp2_compiled": dict(cp=2, compile="plugin"),
 }

@@ -65,7 +65,7 @@ def run_layout(*args, cpp_wrapper=False, **kwargs):
 
 def _run_layout(tp=1, pp=1, cp=1, sp=False, distopt=False, vpp_layers=None, precision="bf16", mode="train",
                 steps=STEPS, total_steps=STEPS, save_dir=None, load_dir=None, recompute=False, compile=None,
-                family="gpt2", frozen=False, wgrad_fusion=None):
+                family="gpt2", frozen=False, wgrad_fusion=None, tp_comm_overlap=False):
     """compile: None (eager), "plugin" (MegatronLMPlugin(torch_compile=True)), "accelerate"
     (Accelerator(dynamo_backend="inductor"), as `accelerate config` sets it) or "cuda_graphs" (accelerate's
     TorchDynamoPlugin with mode="reduce-overhead")."""
@@ -78,6 +78,7 @@ def _run_layout(tp=1, pp=1, cp=1, sp=False, distopt=False, vpp_layers=None, prec
         num_layers_per_virtual_pipeline_stage=vpp_layers, num_micro_batches=NUM_MICRO,
         return_logits=mode == "logits", recompute_activations=recompute, torch_compile=compile == "plugin",
         gradient_accumulation_fusion=wgrad_fusion,
+        other_megatron_args={"tp_comm_overlap": True} if tp_comm_overlap else {},
     )
     extra = {"dynamo_backend": "inductor"} if compile == "accelerate" else {}
     if compile == "cuda_graphs":  # accelerate's dynamo plugin in reduce-overhead mode
