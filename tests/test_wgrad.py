@@ -291,10 +291,11 @@ def _silent_in_codegen_worker():
     x, w = torch.randn(4, 3, 8), torch.randn(6, 8)
     w.main_grad = torch.zeros(6, 8)
     saved = {n: getattr(dist, n) for n in ("all_gather_into_tensor", "reduce_scatter_tensor", "all_reduce")}
-    real = compiled_linear.in_inductor_codegen
+    real, real_symm = compiled_linear.in_inductor_codegen, compiled_linear._symm_mem
     try:
         for n in saved:
             setattr(dist, n, refuse)
+        compiled_linear._symm_mem = refuse  # tp_comm_overlap's fused ops
         compiled_linear.in_inductor_codegen = lambda: True
         shapes = [tuple(compiled_linear._gather_seq(x, group).shape),
                   tuple(compiled_linear._reduce_scatter_seq(x, group).shape),
@@ -304,17 +305,28 @@ def _silent_in_codegen_worker():
             grads = compiled_linear._linear_backward(go, x, w, group, dgrad == compiled_linear.DGRAD_REDUCE_SCATTER,
                                                      dgrad, True, True, True)
             shapes.append([tuple(g.shape) for g in grads])
+        # tp_comm_overlap: column forward and backward, row forward and backward
+        shapes.append(tuple(compiled_linear._ag_linear(x, w, group).shape))
+        go = torch.randn(8, 3, 6)
+        shapes.append([tuple(g.shape) for g in compiled_linear._linear_backward(
+            go, x, w, group, True, compiled_linear.DGRAD_REDUCE_SCATTER, True, True, True, True)])
+        x_row, w_row = torch.randn(8, 3, 6), torch.randn(8, 6)
+        w_row.main_grad = torch.zeros(8, 6)
+        shapes.append(tuple(compiled_linear._linear_rs(x_row, w_row, group).shape))
+        shapes.append([tuple(g.shape) for g in compiled_linear._linear_rs_backward(
+            torch.randn(4, 3, 8), x_row, w_row, group, True, True)])
     finally:
-        compiled_linear.in_inductor_codegen = real
+        compiled_linear.in_inductor_codegen, compiled_linear._symm_mem = real, real_symm
         for n, f in saved.items():
             setattr(dist, n, f)
-    return {"shapes": shapes, "main_grad_untouched": bool((w.main_grad == 0).all())}
+    return {"shapes": shapes, "main_grad_untouched": bool((w.main_grad == 0).all() and (w_row.main_grad == 0).all())}
 
 
 def test_tp_ops_do_not_communicate_inside_inductor_codegen():
     for res in run_on_ranks(_silent_in_codegen_worker, 2):
         assert res["shapes"] == [(8, 3, 8), (2, 3, 8), (4, 3, 8),
-                                 [(4, 3, 8), (6, 8), (6,)], [(4, 3, 8), (6, 8), (6,)]], res
+                                 [(4, 3, 8), (6, 8), (6,)], [(4, 3, 8), (6, 8), (6,)],
+                                 (8, 3, 6), [(4, 3, 8), (6, 8), (6,)], (4, 3, 8), [(8, 3, 6), (8, 6)]], res
         assert res["main_grad_untouched"], res
 
 
