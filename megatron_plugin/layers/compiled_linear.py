@@ -53,8 +53,8 @@ def _size(group: str) -> int:
 
 
 # The collectives below do nothing inside Inductor's codegen (`in_inductor_codegen`): the C++ wrapper's tuning run
-# of a graph happens on whichever rank compiles it (another may load the graph from the cache and skip the run),
-# so a collective there would wait for a peer that never comes. The run's values are thrown away.
+# of a graph need not happen on every rank alike (a rank that finds the graph in Inductor's cache compiles
+# nothing), and a collective there would wait for a peer that never comes. The run's values are thrown away.
 
 def _gather_seq(x: torch.Tensor, group: str) -> torch.Tensor:
     """All-gather along dim 0 (the sequence, under sequence parallelism)."""

@@ -86,7 +86,7 @@ def _ops_linear(layer, input, weight, kwargs):
 
 
 def _overlaps(layer) -> bool:
-    """Megatron's `tp_comm_overlap` (other_megatron_args; resolve.check_tp_comm_overlap says where it runs): SP's
+    """Megatron's `tp_comm_overlap` (other_megatron_args; plugin.check_tp_comm_overlap says where it runs): SP's
     collectives overlapped with the GEMMs next to them (`compiled_linear._ag_matmul`, `_matmul_rs`)."""
     return bool(layer.config.tp_comm_overlap and layer.sequence_parallel)
 
