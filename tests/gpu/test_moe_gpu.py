@@ -117,10 +117,12 @@ def _layout_worker(plugin_kwargs, micro, num_micro, aux, precision="bf16"):
     import os
 
     from megatron_plugin import Accelerator, MegatronLMPlugin
+    from megatron_plugin.models.moe_names import checkpoint_state_dict
     from tests.training import sft_dataset
 
     world = int(os.environ["WORLD_SIZE"])
     hf = tiny_moe("qwen3_moe", output_router_logits=aux > 0, router_aux_loss_coef=aux)
+    before = {k: v.clone() for k, v in checkpoint_state_dict(hf).items()}
     plugin = MegatronLMPlugin(gradient_clipping=1.0, num_micro_batches=num_micro, **plugin_kwargs)
     acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision=precision)
     opt = torch.optim.AdamW(hf.parameters(), lr=LR, weight_decay=0.0)
@@ -128,9 +130,11 @@ def _layout_worker(plugin_kwargs, micro, num_micro, aux, precision="bf16"):
     loader = DataLoader(sft_dataset(STEPS * 4, hf.config.vocab_size), batch_size=micro, shuffle=False)
     engine, opt, loader = acc.prepare(hf, opt, loader)
     losses, metrics = _run_steps(engine, loader)
-    weights = {name: t.float().cpu() for name, t in engine.iter_hf_weights()}
+    after = {name: t.float().cpu() for name, t in engine.iter_hf_weights()}
     acc.end_training()
-    return {"losses": losses, "metrics": metrics, "weights": weights, "world": world}
+    # what training changed, tensor by tensor in one order (the experts included)
+    deltas = {k: (after[k] - before[k].float()).flatten() for k in sorted(after)}
+    return {"losses": losses, "metrics": metrics, "deltas": deltas, "world": world}
 
 
 def _assert_layout_tracks(results, one):
@@ -138,11 +142,14 @@ def _assert_layout_tracks(results, one):
         assert len(res["losses"]) == STEPS and one["losses"][-1] < one["losses"][0], (res["losses"], one["losses"])
         for a, b in zip(res["losses"], one["losses"]):
             assert abs(a - b) / b < 2e-2, (res["losses"], one["losses"])
-        assert res["weights"].keys() == one["weights"].keys()
-        # bf16 on both sides: the weights after 5 AdamW steps agree to bf16's rounding, the experts included
-        for k, w in res["weights"].items():
-            rel = ((w - one["weights"][k]).norm() / one["weights"][k].norm()).item()
-            assert rel < 2e-2, (k, rel)
+        assert res["deltas"].keys() == one["deltas"].keys()
+        # bf16 on both sides, summed in other orders: AdamW's updates point the same way (a wrongly reduced
+        # gradient, e.g. an expert's, would turn or scale its tensor's update)
+        for k, d in res["deltas"].items():
+            ref = one["deltas"][k]
+            assert ref.norm() > 0, k  # every tensor trains here
+            cos = float(torch.nn.functional.cosine_similarity(d, ref, dim=0))
+            assert cos > 0.95 and 0.9 < (d.norm() / ref.norm()).item() < 1.1, (k, cos, d.norm(), ref.norm())
 
 
 @pytest.mark.two_gpus
@@ -153,10 +160,12 @@ def test_moe_ep2_tracks_one_gpu():
     (one,) = run_on_ranks(_layout_worker, 1, {}, 2, 2, AUX)
     results = run_on_ranks(_layout_worker, 2, {"expert_model_parallel_size": 2}, 2, 1, AUX)
     _assert_layout_tracks(results, one)
-    for res, m_one in zip(results, [one["metrics"]] * 2):
-        for m, ref in zip(res["metrics"], m_one):
-            # every token's top-k picks counted once over the expert-parallel ranks, as on one GPU
-            assert m["tokens per expert/layer 1"] == ref["tokens per expert/layer 1"], (m, ref)
+    for res in results:
+        for step, (m, ref) in enumerate(zip(res["metrics"], one["metrics"])):
+            # every token's top-k picks counted once over the expert-parallel ranks, as on one GPU; from the
+            # same weights (the first step) the same picks, later bf16 may move a token near a tie
+            got, want = m["tokens per expert/layer 1"], ref["tokens per expert/layer 1"]
+            assert sum(got) == sum(want) and (step > 0 or got == want), (step, got, want)
 
 
 @pytest.mark.two_gpus
