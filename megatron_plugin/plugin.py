@@ -984,7 +984,8 @@ def check_tp_comm_overlap(plugin: MegatronLMPlugin, device_type: str, compile_kw
     symmetric-memory ops (layers/compiled_linear.py) where Megatron needs Transformer Engine's userbuffers. It runs
     where the linears are our ops: on CUDA, in compiled layers with the fused weight gradient. Anywhere else it
     would do nothing, so it is refused there. `fusion`: gradient_accumulation_fusion as resolved."""
-    value = (plugin.other_megatron_args or {}).get("tp_comm_overlap") if isinstance(plugin.other_megatron_args, dict) else None
+    args = plugin.other_megatron_args
+    value = args.get("tp_comm_overlap") if isinstance(args, dict) else None
     if not value:
         return
     setting = "other_megatron_args['tp_comm_overlap']"

@@ -214,13 +214,7 @@ def _linear_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: tor
     else:
         grad_input = grad_total
     go = grad_output.reshape(-1, grad_output.shape[-1])
-    x = total.reshape(-1, total.shape[-1])
-    if not need_wgrad:  # a frozen weight
-        grad_weight = torch.empty_like(weight)
-    elif fuse_wgrad:
-        grad_weight = accumulate_wgrad(go, x, weight)
-    else:
-        grad_weight = go.t() @ x
+    grad_weight = _weight_grad(go, total.reshape(-1, total.shape[-1]), weight, fuse_wgrad, need_wgrad)
     grad_bias = go.sum(0) if has_bias else go.new_empty(0)
     if handle is not None:
         handle.wait()
