@@ -1007,6 +1007,18 @@ def check_tp_comm_overlap(plugin: MegatronLMPlugin, device_type: str, compile_kw
     if plugin.fp8:
         raise MegatronPluginConfigError(setting, True, "the FP8 linears run their own GEMMs and collectives: leave fp8 "
                                         "unset with it, or remove it")
+    # TE's userbuffers knobs (which GEMMs overlap, how they split, bulk overlaps): ours overlaps every SP gather and
+    # reduce-scatter next to a GEMM and reads none of them, so one set away from its default would be ignored
+    from megatron.core.model_parallel_config import ModelParallelConfig
+
+    defaults = {f.name: f.default for f in dataclasses.fields(ModelParallelConfig)}
+    for key in sorted(k for k in args if k.startswith("tp_comm_") and k != "tp_comm_overlap"):
+        if key in defaults and args[key] != defaults[key]:
+            raise MegatronPluginConfigError(
+                f"other_megatron_args[{key!r}]", args[key],
+                "a Transformer Engine userbuffers setting; tp_comm_overlap here overlaps every sequence-parallel "
+                f"gather and reduce-scatter with its GEMM through torch's symmetric memory and reads no such "
+                f"setting: remove it (its default is {defaults[key]!r})")
 
 
 def uses_cuda_graphs(compile_kwargs: Optional[dict]) -> bool:

@@ -131,6 +131,13 @@ def test_tp_comm_overlap_runs_where_the_linears_are_ops_else_refused(clean_env):
     for args, words in refusals:
         with pytest.raises(MegatronPluginConfigError, match=r"other_megatron_args\['tp_comm_overlap'\].*" + words):
             check_tp_comm_overlap(*args)
+    # TE's userbuffers knobs: read by nothing here, so refused away from their defaults, taken at them
+    knob = plugin(other_megatron_args={"tp_comm_overlap": True, "tp_comm_overlap_ag": False})
+    with pytest.raises(MegatronPluginConfigError,
+                       match=r"other_megatron_args\['tp_comm_overlap_ag'\]=False: a Transformer Engine .*default is True"):
+        check_tp_comm_overlap(knob, "cuda", compiled, True)
+    check_tp_comm_overlap(plugin(other_megatron_args={"tp_comm_overlap": True, "tp_comm_split_ag": True}), "cuda",
+                          compiled, True)
 
 
 def test_sequence_parallel_needs_tp(clean_env):
