@@ -306,8 +306,6 @@ def main(argv=None):
         if completed_steps >= args.max_train_steps or completed_steps == args.stop_after_steps:
             break
 
-    if args.with_tracking:
-        accelerator.end_training()
     if args.output_dir is not None:
         accelerator.wait_for_everyone()
         if accelerator.distributed_type == DistributedType.MEGATRON_LM:
@@ -319,6 +317,7 @@ def main(argv=None):
             unwrapped.save_pretrained(args.output_dir, is_main_process=accelerator.is_main_process, save_function=accelerator.save)
         if accelerator.is_main_process:
             tokenizer.save_pretrained(args.output_dir)
+    accelerator.end_training()  # trackers finished and no process group left alive at exit
 
 
 if __name__ == "__main__":

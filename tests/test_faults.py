@@ -32,3 +32,33 @@ def test_sigkill_of_one_rank_ends_every_rank_naming_it(config, victim, where):
     # and the survivor ended too (its gloo collective failed on the closed connection, or the launcher's SIGTERM)
     survivor = 1 - victim
     assert re.search(rf"rank\s*: {survivor} \(local_rank: {survivor}\)\s*exitcode\s*: (-15|1) ", out), out[-3000:]
+
+
+EXIT_SCRIPT = """
+import atexit, sys
+import torch.distributed as dist
+# registered first, so it runs after the plugin's handler (atexit runs last-in first-out)
+atexit.register(lambda: print("GROUPS ALIVE AT EXIT", dist.is_initialized(), flush=True))
+from megatron_plugin import MegatronLMPlugin
+from megatron_plugin.engine import distributed
+distributed.start(MegatronLMPlugin())
+if sys.argv[1] == "raise":
+    raise RuntimeError("the script failed")
+"""
+
+
+@pytest.mark.parametrize("how,alive", [("return", False), ("raise", True)])
+def test_gloo_groups_are_destroyed_at_a_clean_exit_only(tmp_path, how, alive):
+    # A script that never calls end_training once aborted in CI after its run had succeeded (gloo's threads met the
+    # interpreter's finalization); the groups go at exit now. After an exception they stay: a peer may still be in
+    # a collective with this rank.
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_SCRIPT)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")}
+    proc = subprocess.run([sys.executable, str(script), how], cwd=ROOT, env=dict(env, PYTHONPATH=ROOT),
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == (1 if how == "raise" else 0), proc.stderr[-3000:]
+    assert f"GROUPS ALIVE AT EXIT {alive}" in proc.stdout, proc.stdout + proc.stderr[-3000:]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import random
 import socket
+import sys
 
 import numpy as np
 import torch
@@ -78,6 +80,7 @@ def start(plugin: MegatronLMPlugin, num_layers=None, timeout_minutes: int = 30) 
     `timeout_minutes`: of megatron-core's groups (and of the world group when it is started here; under
     accelerate, accelerate starts it, with InitProcessGroupKwargs(timeout=...))."""
     device = init_process_group(timeout_minutes)
+    _destroy_gloo_groups_at_exit()
     if not parallel_state.model_parallel_is_initialized():
         vpp = plugin.virtual_pipeline_stages(num_layers) if num_layers else None
         parallel_state.initialize_model_parallel(
@@ -129,6 +132,26 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
     if torch.cuda.is_available():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+_AT_EXIT = []
+
+
+def _destroy_gloo_groups_at_exit() -> None:
+    """Register, once, `_exit_destroy` to run while the interpreter is still whole."""
+    if not _AT_EXIT:
+        _AT_EXIT.append(atexit.register(_exit_destroy))
+
+
+def _exit_destroy() -> None:
+    """A script that ends without `accelerator.end_training()` leaves gloo's groups to the interpreter's
+    finalization, where their worker threads can abort the process after the run succeeded ("terminate called
+    without an active exception", pytorch/pytorch#179291; seen once in CI). Destroyed here instead. Not after an
+    uncaught exception (`sys.last_value` set): a peer may still be inside a collective with this rank, and
+    joining gloo's threads would then wait for it instead of exiting. NCCL is left to its own teardown."""
+    if hasattr(sys, "last_value") or not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+    destroy()
 
 
 def destroy() -> None:
