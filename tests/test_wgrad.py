@@ -219,13 +219,46 @@ def _sequence_parallel_ops_run(overlap):
             return _real(*args)
 
         setattr(compiled_linear, "_" + name, counted)
+    # the backward's gathers of the input for the weight gradient: issued asynchronously (they run under the
+    # input gradient's GEMM, as mcore's), and not at all for a frozen weight
+    import torch.distributed as dist
+
+    gathers, real_gather = [], dist.all_gather_into_tensor
+
+    def gather(*args, **kwargs):
+        gathers.append(bool(kwargs.get("async_op")))
+        return real_gather(*args, **kwargs)
+
+    dist.all_gather_into_tensor = gather
     try:
         res = _sequence_parallel_ops_compare(hf, plain, sp)
+        res["async_gathers"], res["sync_gathers"] = gathers.count(True), gathers.count(False)
+        res["calls"] = dict(calls)
+        res["frozen"] = _frozen_column_backward(sp.layers[0].config, gathers)
     finally:  # the process serves later tasks (tests/spawn.py)
+        dist.all_gather_into_tensor = real_gather
         for name, real in reals.items():
             setattr(compiled_linear, "_" + name, real)
-    res["calls"] = calls
     return res
+
+
+def _frozen_column_backward(config, gathers):
+    """A column linear's backward under SP for a trained and a frozen weight: the same input gradient, and the
+    frozen one gathers nothing (`gathers` counts all-gathers)."""
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group().group_name
+    g = torch.Generator().manual_seed(5)
+    x, w, go = torch.randn(4, 2, 8, generator=g), torch.randn(6, 8, generator=g), torch.randn(8, 2, 6, generator=g)
+    overlap = bool(config.tp_comm_overlap)
+    out = {}
+    for need_wgrad in (True, False):
+        before = len(gathers)
+        grads = compiled_linear._linear_backward(go, x, w, group, True, compiled_linear.DGRAD_REDUCE_SCATTER,
+                                                 False, False, need_wgrad, overlap)
+        out[need_wgrad] = (grads[0], len(gathers) - before)
+    return {"same_dinput": torch.equal(out[True][0], out[False][0]), "gathers_trained": out[True][1],
+            "gathers_frozen": out[False][1]}
 
 
 def _sequence_parallel_ops_compare(hf, plain, sp):
@@ -270,6 +303,11 @@ def test_sequence_parallel_linear_ops_match_plain_tensor_parallel(cpp_wrapper, o
         assert res["worst_grad_rel"] < 1e-4, res
         # forward: qkv, fc1 gathered-and-multiplied, proj, fc2 multiplied-and-scattered; backward the other way
         assert res["calls"] == ({"ag_matmul": 8, "matmul_rs": 8} if overlap else {"ag_matmul": 0, "matmul_rs": 0}), res
+        # backward: each column linear (qkv, fc1; 2 layers) gathers its input for the weight gradient asynchronously;
+        # the forward's gathers (and the row linears' output-gradient gathers) are waited on where they are issued
+        assert res["async_gathers"] == 4, res
+        assert res["sync_gathers"] == (0 if overlap else 8), res
+        assert res["frozen"] == {"same_dinput": True, "gathers_trained": 1, "gathers_frozen": 0}, res
 
 
 def _silent_in_codegen_worker():

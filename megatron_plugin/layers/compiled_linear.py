@@ -192,19 +192,25 @@ _fused_wgrad_op = _define("fused_wgrad(Tensor grad_output, Tensor input, Tensor 
 def _linear_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: torch.Tensor, group: str,
                      gather_input: bool, dgrad: int, fuse_wgrad: bool, has_bias: bool,
                      need_wgrad: bool, overlap: bool = False) -> List[torch.Tensor]:
-    """[grad_input, grad_weight, grad_bias]. The input gradient's collective runs while the weight
-    gradient is computed, as mcore overlaps them. With `fuse_wgrad` the weight gradient goes into
+    """[grad_input, grad_weight, grad_bias]. As mcore overlaps them: the input's gather for the weight gradient
+    (SP) runs while the input gradient's GEMM is computed, and the input gradient's collective while the weight
+    gradient's is. With `fuse_wgrad` the weight gradient goes into
     weight.main_grad and grad_weight is what DDP's hook then skips (`grad_added_to_main_grad`). With `overlap`
     (SP's gathered input, reduce-scattered input gradient): the input gradient's GEMM and reduce-scatter run as
     one overlapped op while NCCL gathers the input for the weight gradient."""
     if overlap and gather_input and dgrad == DGRAD_REDUCE_SCATTER:
         return _overlapped_column_backward(grad_output, input, weight, group, fuse_wgrad, has_bias, need_wgrad)
     pg = _resolve_process_group(group) if group else None
-    total = _gather_seq(input, group) if gather_input else input
+    talk = not in_inductor_codegen()  # see _gather_seq
+    total, gathering = input, None
+    if gather_input and need_wgrad:  # a frozen weight needs no gathered input
+        total = input.new_empty(input.shape[0] * pg.size(), *input.shape[1:])
+        gathering = dist.all_gather_into_tensor(total, input.contiguous(), group=pg, async_op=True) if talk else None
     # contiguous, as the fake says: the compiled caller checks strides
     grad_total = (grad_output @ weight).contiguous()
+    if gathering is not None:
+        gathering.wait()
     handle = None
-    talk = not in_inductor_codegen()  # see _gather_seq
     if dgrad == DGRAD_ALL_REDUCE:
         grad_input = grad_total
         handle = dist.all_reduce(grad_input, group=pg, async_op=True) if talk else None
