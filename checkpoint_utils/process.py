@@ -43,6 +43,8 @@ def one_process():
         yield
     finally:
         if started_groups:
-            parallel_state.destroy_model_parallel()
+            from megatron_plugin.engine.distributed import release_model_parallel
+
+            release_model_parallel()
         if started_dist:
             dist.destroy_process_group()

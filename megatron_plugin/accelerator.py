@@ -245,11 +245,10 @@ class Accelerator(accelerate.Accelerator):
             if getattr(self._engine, "tensorboard", None) is not None:
                 self._engine.tensorboard.close()
             self._engine.manual_gc.stop()  # manual_gc: Python's collector back on
-            from megatron.core import parallel_state
+            from .engine.distributed import release_model_parallel
 
             self.wait_for_everyone()
-            if parallel_state.model_parallel_is_initialized():
-                parallel_state.destroy_model_parallel()
+            release_model_parallel()
         super().end_training()
 
     def save_model(self, model, save_directory, max_shard_size="10GB", safe_serialization=True, merge_lora=False):

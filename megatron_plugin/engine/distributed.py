@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import os
 import random
@@ -146,16 +147,29 @@ def _destroy_gloo_groups_at_exit() -> None:
 def _exit_destroy() -> None:
     """A script that ends without `accelerator.end_training()` leaves gloo's groups to the interpreter's
     finalization, where their worker threads can abort the process after the run succeeded ("terminate called
-    without an active exception", pytorch/pytorch#179291; seen once in CI). Destroyed here instead. Not after an
-    uncaught exception (`sys.last_value` set): a peer may still be inside a collective with this rank, and
-    joining gloo's threads would then wait for it instead of exiting. NCCL is left to its own teardown."""
+    without an active exception", pytorch/pytorch#179291; seen once in CI). Destroyed here instead, and collected,
+    so that the groups nothing else holds have joined their threads (a group a live object holds, as our layers hold
+    their TP group, keeps its threads until that object goes). Not after an uncaught exception (`sys.last_value`
+    set; `sys.exit(n)` counts as a clean exit): a peer may still be inside a collective with this rank, and joining
+    gloo's threads would then wait for it instead of exiting. NCCL runs are left to NCCL's own teardown."""
     if hasattr(sys, "last_value") or not dist.is_initialized() or dist.get_backend() != "gloo":
         return
     destroy()
+    gc.collect()
+
+
+def release_model_parallel() -> None:
+    """megatron-core's `destroy_model_parallel`, and the group it forgets: 0.16.1 never resets
+    `_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP` (the data-parallel-with-CP group under one optimizer instance),
+    which would keep that group, and its gloo threads, alive after the process groups are destroyed."""
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    for name in ("_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP", "_INTRA_PARTIAL_DATA_PARALLEL_GROUP_WITH_CP_GLOO"):
+        if getattr(parallel_state, name, None) is not None:
+            setattr(parallel_state, name, None)
 
 
 def destroy() -> None:
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
+    release_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
