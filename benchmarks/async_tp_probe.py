@@ -6,7 +6,10 @@ GPT-2 774M layer (hidden 1280, 16 x 1024 tokens, TP = 2) two ways, one process a
 - column-parallel (qkv, fc1): all-gather of the sequence shard, then the GEMM (what layers/compiled_linear.py
   runs), against torch's `fused_all_gather_matmul` (symmetric memory: the gather in chunks, each chunk's GEMM
   as soon as it lands);
-- row-parallel (proj, fc2): the GEMM, then the reduce-scatter, against `fused_matmul_reduce_scatter`.
+- row-parallel (proj, fc2): the GEMM, then the reduce-scatter, against `fused_matmul_reduce_scatter`;
+- column-parallel backward (qkv, fc1): the input's re-gather for the weight gradient waited for before the input
+  gradient's GEMM (what the compiled op did until 2026-11-29), against issued asynchronously and waited for after
+  that GEMM (what it and megatron-core's linear do now), with no symmetric memory.
 
 Prints each op's time both ways and the largest difference of the results. At 774M on two H200s the
 unoverlapped collectives were 88 ms of a 184 ms TP = 2 + SP step (BENCHMARKS.md, issue 32 check 5): this says
@@ -81,10 +84,27 @@ def main():
             return symm_mem._fused_matmul_reduce_scatter(a, w, "sum", 0, group.group_name)
 
         rows.append((f"{name}: GEMM + reduce-scatter", timed(plain), timed(fused), (plain() - fused()).abs().max().item()))
+    for name, width in (("qkv", 3 * h), ("fc1", 4 * h)):  # column backward: [n, width / world] @ [width / world, h]
+        x_shard, w, go = rand(n // world, h), rand(width // world, h), rand(n, width // world)
+
+        def waited():
+            whole = torch.empty(n, h, device="cuda", dtype=torch.bfloat16)
+            dist.all_gather_into_tensor(whole, x_shard)
+            return go @ w, whole
+
+        def overlapped():
+            whole = torch.empty(n, h, device="cuda", dtype=torch.bfloat16)
+            work = dist.all_gather_into_tensor(whole, x_shard, async_op=True)
+            dx = go @ w
+            work.wait()
+            return dx, whole
+
+        diff = max((a - b).abs().max().item() for a, b in zip(waited(), overlapped()))
+        rows.append((f"{name} backward: gather + dgrad", timed(waited), timed(overlapped), diff))
     if rank == 0:
-        print(f"hidden {h}, {n} tokens, TP = {world}, bf16")
+        print(f"hidden {h}, {n} tokens, TP = {world}, bf16 (apart: one after the other; together: fused or overlapped)")
         for label, t_plain, t_fused, diff in rows:
-            print(f"{label:32s} plain {t_plain:7.3f} ms  fused {t_fused:7.3f} ms  ({t_plain / t_fused:4.2f}x)  "
+            print(f"{label:32s} apart {t_plain:7.3f} ms  together {t_fused:7.3f} ms  ({t_plain / t_fused:4.2f}x)  "
                   f"max |diff| {diff:.2e}")
     dist.destroy_process_group()
 
