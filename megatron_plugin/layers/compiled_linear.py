@@ -202,10 +202,7 @@ def _linear_backward(grad_output: torch.Tensor, input: torch.Tensor, weight: tor
         return _overlapped_column_backward(grad_output, input, weight, group, fuse_wgrad, has_bias, need_wgrad)
     pg = _resolve_process_group(group) if group else None
     talk = not in_inductor_codegen()  # see _gather_seq
-    total, gathering = input, None
-    if gather_input and need_wgrad:  # a frozen weight needs no gathered input
-        total = input.new_empty(input.shape[0] * pg.size(), *input.shape[1:])
-        gathering = dist.all_gather_into_tensor(total, input.contiguous(), group=pg, async_op=True) if talk else None
+    total, gathering = _gather_for_wgrad(input, pg, need_wgrad) if gather_input else (input, None)
     # contiguous, as the fake says: the compiled caller checks strides
     grad_total = (grad_output @ weight).contiguous()
     if gathering is not None:
@@ -235,15 +232,24 @@ def _weight_grad(go: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, fuse_w
     return accumulate_wgrad(go, x, weight) if fuse_wgrad else go.t() @ x
 
 
-def _overlapped_column_backward(grad_output, input, weight, group, fuse_wgrad, has_bias, need_wgrad):
-    pg = _resolve_process_group(group)
+def _gather_for_wgrad(input: torch.Tensor, pg, need_wgrad: bool):
+    """(the input gathered over the sequence for the weight gradient, the gather's work to wait for): issued
+    asynchronously, so that the input gradient's GEMM runs under it, as mcore's linear does. A frozen weight needs
+    no gathered input: (input, None). Nothing is sent inside Inductor's codegen (see _gather_seq)."""
+    if not need_wgrad:
+        return input, None
     total = input.new_empty(input.shape[0] * pg.size(), *input.shape[1:])
-    handle = (dist.all_gather_into_tensor(total, input.contiguous(), group=pg, async_op=True)
-              if need_wgrad and not in_inductor_codegen() else None)
+    if in_inductor_codegen():
+        return total, None
+    return total, dist.all_gather_into_tensor(total, input.contiguous(), group=pg, async_op=True)
+
+
+def _overlapped_column_backward(grad_output, input, weight, group, fuse_wgrad, has_bias, need_wgrad):
+    total, gathering = _gather_for_wgrad(input, _resolve_process_group(group), need_wgrad)
     go = grad_output.reshape(-1, grad_output.shape[-1])
     grad_input = _matmul_rs(go, weight, group).view(input.shape)
-    if handle is not None:
-        handle.wait()
+    if gathering is not None:
+        gathering.wait()
     grad_weight = _weight_grad(go, total.reshape(-1, total.shape[-1]), weight, fuse_wgrad, need_wgrad)
     return [grad_input, grad_weight, go.sum(0) if has_bias else go.new_empty(0)]
 
