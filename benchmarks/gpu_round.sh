@@ -34,9 +34,9 @@
 #               same global batch (16: each GPU half the one-GPU micro-batch) and at the same per-GPU batch (32);
 #               TP = 2 + SP                                                                        ~6 min
 #   two_gpu_tp    (nvidia-h200-x2) TP = 2 + SP at 774M where the host bounds it (sync wait 0, 2026-11-29): under
-#               Inductor's C++ wrapper (--cpp_wrapper on; TP's ops skip its tuning run since 2026-11-29), with
-#               tp_comm_overlap (torch's symmetric-memory ops), under CUDA graphs (reduce-overhead), with
-#               CUDA_DEVICE_MAX_CONNECTIONS=1                                                      ~8 min
+#               Inductor's Python wrapper (--cpp_wrapper off; the engine gives TP layers the C++ one since
+#               2026-11-29), with tp_comm_overlap (torch's symmetric-memory ops), under CUDA graphs (reduce-overhead),
+#               with CUDA_DEVICE_MAX_CONNECTIONS=1                                                 ~8 min
 #   two_gpu_profiles (nvidia-h200-x2) profiles at 774M: TP = 2 + SP, DP = 2 (distributed optimizer, global 16),
 #               one GPU: where each two-GPU step exceeds half the one-GPU step                   ~5 min
 #   two_gpu_nccl  (nvidia-h200-x2) the GPUs' link: topology, NVLink state, NCCL's transport, collective bandwidth;
@@ -112,7 +112,7 @@ case "$stage" in
     done 2>&1 | tee "$out/two_gpu_rows.log" ;;
   two_gpu_tp)
     L="--sizes 774m --modes megatron_compile --steps 10 --warmup 3 --nproc 2 --tp 2 --sp"
-    { $T $L --cpp_wrapper on
+    { $T $L --cpp_wrapper off
       $T $L --tp_comm_overlap
       $T $L --compile_mode reduce-overhead
       CUDA_DEVICE_MAX_CONNECTIONS=1 $T $L; } 2>&1 | tee "$out/two_gpu_tp.log" ;;

@@ -202,17 +202,17 @@ def compile_backend(compile_kwargs: dict):
 
 
 def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
-    """Whether this compiled layer wants Inductor's C++ wrapper: any transformer layer without collectives
-    inside it (TP, CP and expert parallelism all 1) and without FP8 linears, unless the user chose a mode, options
-    or another backend.
+    """Whether this compiled layer wants Inductor's C++ wrapper: any transformer layer without FP8 linears, CP or
+    expert parallelism, and, under TP, without `tp_comm_overlap`; unless the user chose a mode, options or another
+    backend.
     A compiled layer's step is bound by the host launching its kernels, one Python call each with the default
     wrapper; the C++ wrapper launches them without (one H100: GPT-2 124M 432,084 tok/s against 293,522;
-    Qwen3-MoE's shape 72,142 against 53,478-54,771; Llama-1B, full or LoRA, GPU-bound, unchanged: BENCHMARKS.md).
+    Qwen3-MoE's shape 72,142 against 53,478-54,771; Llama-1B, full or LoRA, GPU-bound, unchanged; two H200s,
+    774M at TP = 2 + SP, host-bound: 88,401-93,541 against 80,156-89,119, mean +8%: BENCHMARKS.md).
     The wrapper runs each graph once while compiling it (on the call's inputs, to tune its kernels): our
     side-effect ops skip that run (`compiled_linear.in_inductor_codegen`), and so do TP's linears and sums as ops
-    (a collective there would run on this rank only); CP's key/value gather and expert dispatch do not. TP layers
-    keep the Python wrapper until the C++ one is timed and tested on two GPUs (CPU:
-    tests/test_wgrad.py::test_sequence_parallel_linear_ops_match_plain_tensor_parallel[cpp_wrapper])."""
+    (a collective there would run on this rank only); CP's key/value gather and expert dispatch do not.
+    tp_comm_overlap's symmetric-memory ops skip it too, but only the Python wrapper has trained them on two GPUs."""
     if (str(compile_backend(compile_kwargs)).lower() != "inductor" or compile_kwargs.get("mode") not in (None, "default")
             or compile_kwargs.get("options")):
         return False
@@ -225,8 +225,9 @@ def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
         # cache_weights); since then the two time the same (68,138 against 68,438: BENCHMARKS.md), and their numbers
         # agree bit for bit (tests/test_fp8.py::test_cpp_wrapper_equals_python_wrapper)
         return False
-    return (c.tensor_model_parallel_size == 1 and (c.context_parallel_size or 1) == 1
-            and (c.expert_model_parallel_size or 1) == 1 and (c.expert_tensor_parallel_size or 1) == 1)
+    return ((c.context_parallel_size or 1) == 1 and (c.expert_model_parallel_size or 1) == 1
+            and (c.expert_tensor_parallel_size or 1) == 1
+            and not (c.tensor_model_parallel_size > 1 and getattr(c, "tp_comm_overlap", False)))
 
 
 def use_cpp_wrapper() -> None:

@@ -31,8 +31,9 @@ LAYOUTS_2GPU = {
     # compiled layers whose linears and TP sums are custom ops (layers/compiled_linear.py)
     "tp2_compiled_linear_ops": dict(tp=2, compile="plugin", wgrad_fusion=True),
     "tp2_sp_compiled_linear_ops": dict(tp=2, sp=True, compile="plugin", wgrad_fusion=True),
-    # the same under Inductor's C++ wrapper: the TP ops skip its tuning run (compiled_linear.in_inductor_codegen)
-    "tp2_sp_compiled_cpp_wrapper": dict(tp=2, sp=True, compile="plugin", cpp_wrapper=True),
+    # compiled TP layers take Inductor's C++ wrapper (the TP ops skip its tuning run: compiled_linear.
+    # in_inductor_codegen); the same under the Python wrapper, which the user gets by choosing a compile mode
+    "tp2_sp_compiled_python_wrapper": dict(tp=2, sp=True, compile="plugin", cpp_wrapper=False),
     # Megatron's tp_comm_overlap through torch's symmetric-memory ops (compiled_linear._ag_matmul / _matmul_rs)
     "tp2_sp_compiled_tp_comm_overlap": dict(tp=2, sp=True, compile="plugin", tp_comm_overlap=True),
     # CUDA graphs (reduce-overhead) around the eager TP linears; the fused weight gradient is off there
@@ -45,7 +46,7 @@ LLAMA_LAYOUTS_2GPU = {
     "llama_dp2_distopt": dict(distopt=True),
     "llama_tp2_sp_compiled": dict(tp=2, sp=True, compile="plugin"),
     # context parallelism: each rank holds two chunks of every sequence (layers/context_parallel.py)
-    "llama_tp2_sp_compiled_cpp_wrapper": dict(tp=2, sp=True, compile="plugin", cpp_wrapper=True),
+    "llama_tp2_sp_compiled_python_wrapper": dict(tp=2, sp=True, compile="plugin", cpp_wrapper=False),
     "llama_tp2_sp_compiled_tp_comm_overlap": dict(tp=2, sp=True, compile="plugin", tp_comm_overlap=True),
     "llama_cp2": dict(cp=2),
     "llama_cp2_compiled": dict(cp=2, compile="plugin"),

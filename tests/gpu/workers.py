@@ -48,15 +48,15 @@ def dataset(n, vocab=1000, seed=3, family="gpt2"):
     return [{"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x.clone()} for x in ids]
 
 
-def run_layout(*args, cpp_wrapper=False, **kwargs):
-    """`_run_layout`; with cpp_wrapper every compiled layer under Inductor's C++ wrapper, where the engine's rule
-    (engine/gpu.wants_cpp_wrapper) would not give it (TP > 1)."""
-    if not cpp_wrapper:
+def run_layout(*args, cpp_wrapper=None, **kwargs):
+    """`_run_layout`; cpp_wrapper True / False: every compiled layer under Inductor's C++ / Python wrapper, whatever
+    the engine's rule (engine/gpu.wants_cpp_wrapper) would give it; None: the rule's choice."""
+    if cpp_wrapper is None:
         return _run_layout(*args, **kwargs)
     from megatron_plugin.engine import gpu
 
     rule = gpu.wants_cpp_wrapper
-    gpu.wants_cpp_wrapper = lambda layer, compile_kwargs: True
+    gpu.wants_cpp_wrapper = lambda layer, compile_kwargs: cpp_wrapper
     try:
         return _run_layout(*args, **kwargs)
     finally:
