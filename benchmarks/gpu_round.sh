@@ -37,8 +37,9 @@
 #               Inductor's Python wrapper (--cpp_wrapper off; the engine gives TP layers the C++ one since
 #               2026-11-29), with tp_comm_overlap (torch's symmetric-memory ops), under CUDA graphs (reduce-overhead),
 #               with CUDA_DEVICE_MAX_CONNECTIONS=1                                                 ~8 min
-#   two_gpu_profiles (nvidia-h200-x2) profiles at 774M: TP = 2 + SP, DP = 2 (distributed optimizer, global 16),
-#               one GPU: where each two-GPU step exceeds half the one-GPU step                   ~5 min
+#   two_gpu_profiles (nvidia-h200-x2) profiles at 774M: TP = 2 + SP (with the host's ranges by self time: the
+#               step is host-bound), DP = 2 (distributed optimizer, global 16), one GPU: where each two-GPU step
+#               exceeds half the one-GPU step                                                      ~5 min
 #   two_gpu_nccl  (nvidia-h200-x2) the GPUs' link: topology, NVLink state, NCCL's transport, collective bandwidth;
 #               then whether overlapping TP's collectives with its GEMMs (torch's symmetric-memory fused ops) pays
 #               at 774M's shapes (benchmarks/async_tp_probe.py)                                     ~2 min
@@ -118,7 +119,7 @@ case "$stage" in
       CUDA_DEVICE_MAX_CONNECTIONS=1 $T $L; } 2>&1 | tee "$out/two_gpu_tp.log" ;;
   two_gpu_profiles)
     P="benchmarks/profile_step.py --size 774m --mode megatron_compile --steps 3 --warmup 3 --gaps 25"
-    { torchrun --nproc-per-node 2 $P --tp 2 --sp
+    { torchrun --nproc-per-node 2 $P --tp 2 --sp --host_top 30
       torchrun --nproc-per-node 2 $P --distopt
       python $P; } 2>&1 | tee "$out/two_gpu_profiles.log" ;;
   two_gpu_nccl)

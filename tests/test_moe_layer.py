@@ -498,6 +498,7 @@ def test_stacked_experts_compile_and_feed_main_grad():
 
 def _compile_kwargs_worker():
     from megatron.core.transformer.spec_utils import build_module
+    from megatron.core.transformer.transformer_config import TransformerConfig
 
     from megatron_plugin.engine.gpu import wants_cpp_wrapper
     from megatron_plugin.layers import fp8
@@ -509,21 +510,28 @@ def _compile_kwargs_worker():
     dense = torch.nn.Sequential(torch.nn.Linear(4, 4))  # no TransformerConfig: not a transformer layer
 
     def layer_with(**sizes):
-        """A dense transformer layer's stand-in: a module carrying a TransformerConfig's parallel sizes."""
+        """A dense transformer layer's stand-in: a module carrying a real TransformerConfig (whose __post_init__
+        sets expert_tensor_parallel_size to TP, as the models' configs have it)."""
         m = torch.nn.Linear(4, 4)
-        m.config = types.SimpleNamespace(**{"tensor_model_parallel_size": 1, "context_parallel_size": 1,
-                                            "expert_model_parallel_size": 1, "expert_tensor_parallel_size": None,
-                                            **sizes})
+        m.config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=2, **sizes)
         return m
+
+    def moe_at(**sizes):
+        """The MoE layer's rule at other parallel sizes (its config read, not its modules rebuilt)."""
+        built = moe_layer[0].config
+        moe_layer[0].config = _config("qwen3_moe", **sizes)
+        try:
+            return wants_cpp_wrapper(moe_layer, {})
+        finally:
+            moe_layer[0].config = built
 
     fp8_layer = layer_with()
     setattr(fp8_layer, fp8.ATTR, object())  # a linear carrying FP8 state (layers/fp8.attach_fp8)
     return dict(
         dense_layer=wants_cpp_wrapper(layer_with(), {}),
         dense_tp2=wants_cpp_wrapper(layer_with(tensor_model_parallel_size=2), {}),
-        dense_tp2_overlap=wants_cpp_wrapper(layer_with(tensor_model_parallel_size=2, tp_comm_overlap=True), {}),
-        dense_overlap_no_tp=wants_cpp_wrapper(layer_with(tp_comm_overlap=True), {}),
-        dense_ep2=wants_cpp_wrapper(layer_with(expert_model_parallel_size=2), {}),
+        dense_tp2_overlap=wants_cpp_wrapper(layer_with(tensor_model_parallel_size=2, sequence_parallel=True,
+                                                       tp_comm_overlap=True), {}),
         dense_cp2=wants_cpp_wrapper(layer_with(context_parallel_size=2), {}),
         dense_user_mode=wants_cpp_wrapper(layer_with(), {"mode": "reduce-overhead"}),
         dense_fp8=wants_cpp_wrapper(fp8_layer, {}),
@@ -533,15 +541,18 @@ def _compile_kwargs_worker():
         user_options=wants_cpp_wrapper(moe_layer, {"options": {"cpp_wrapper": False}}),
         other_backend=wants_cpp_wrapper(moe_layer, {"backend": "aot_eager"}),
         dense=wants_cpp_wrapper(dense, {}),
+        moe_tp2=moe_at(tp=2),  # expert TP = 2 too (mcore's default): the dispatcher's collectives
+        moe_ep2=moe_at(ep=2),
     )
 
 
 def test_layers_compile_with_the_cpp_wrapper():
     """The CUDA engine compiles transformer layers (MoE or dense) with Inductor's C++ wrapper (the step is bound by
-    kernel launches on the host) unless a collective inside them would run in the wrapper's tuning run (CP, EP > 1;
-    TP's ops skip that run, and two H200s timed TP = 2 8% faster under it) or they run tp_comm_overlap or FP8 (those
-    keep the Python wrapper, which their GPU tests cover), or the user chose a mode, options or another backend."""
+    kernel launches on the host) unless a collective inside them would run in the wrapper's tuning run (CP; MoE
+    at TP or EP > 1; dense TP's ops skip that run, and two H200s timed TP = 2 8% faster under it) or they run
+    tp_comm_overlap or FP8 (those keep the Python wrapper, which their GPU tests cover), or the user chose a mode,
+    options or another backend. Real TransformerConfigs: mcore sets a dense layer's expert TP to its TP."""
     (got,) = run_on_ranks(_compile_kwargs_worker, 1)
-    assert got == dict(dense_layer=True, dense_tp2=True, dense_tp2_overlap=False, dense_overlap_no_tp=True,
-                       dense_ep2=False, dense_cp2=False, dense_user_mode=False, dense_fp8=False,
+    assert got == dict(dense_layer=True, dense_tp2=True, dense_tp2_overlap=False, dense_cp2=False,
+                       dense_user_mode=False, dense_fp8=False, moe_tp2=False, moe_ep2=False,
                        plain=True, default_mode=True, user_mode=False, user_options=False, other_backend=False, dense=False), got

@@ -476,7 +476,7 @@ def test_other_ranks_ids_do_not_pile_onto_one_row():
     rows1, outside1 = local_rows(ids, 4, 4)
     assert torch.equal(outside0, ids >= 4) and torch.equal(outside1, ids < 4)
     assert torch.equal(rows0[~outside0], ids[~outside0]) and torch.equal(rows1[~outside1], ids[~outside1] - 4)
-    # each id at its place in its own rank's part: rank 0's busiest row takes 4 lookups, where row 0 took 8
+    # each id at its place in its own rank's part: rank 0's busiest row takes 4 lookups, where row 0 took 9
     assert rows0.tolist() == [[1, 2, 3, 0, 1, 1], [0, 3, 2, 3, 2, 1]], rows0
     assert rows1.tolist() == [[1, 2, 3, 0, 1, 1], [0, 3, 2, 3, 2, 1]], rows1
     assert torch.bincount(rows0.flatten()).max() == 4 and int(outside0.sum()) == 8

@@ -202,9 +202,9 @@ def compile_backend(compile_kwargs: dict):
 
 
 def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
-    """Whether this compiled layer wants Inductor's C++ wrapper: any transformer layer without FP8 linears, CP or
-    expert parallelism, and, under TP, without `tp_comm_overlap`; unless the user chose a mode, options or another
-    backend.
+    """Whether this compiled layer wants Inductor's C++ wrapper: any transformer layer without FP8 linears or CP;
+    under TP, a dense one without `tp_comm_overlap`; a MoE one without TP or expert parallelism; unless the user
+    chose a mode, options or another backend.
     A compiled layer's step is bound by the host launching its kernels, one Python call each with the default
     wrapper; the C++ wrapper launches them without (one H100: GPT-2 124M 432,084 tok/s against 293,522;
     Qwen3-MoE's shape 72,142 against 53,478-54,771; Llama-1B, full or LoRA, GPU-bound, unchanged; two H200s,
@@ -225,9 +225,13 @@ def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
         # cache_weights); since then the two time the same (68,138 against 68,438: BENCHMARKS.md), and their numbers
         # agree bit for bit (tests/test_fp8.py::test_cpp_wrapper_equals_python_wrapper)
         return False
-    return ((c.context_parallel_size or 1) == 1 and (c.expert_model_parallel_size or 1) == 1
-            and (c.expert_tensor_parallel_size or 1) == 1
-            and not (c.tensor_model_parallel_size > 1 and getattr(c, "tp_comm_overlap", False)))
+    if (c.context_parallel_size or 1) > 1:
+        return False
+    if moe:  # the token dispatcher's collectives (EP, and expert TP, which mcore sets to TP unless told) are mcore's
+        return (c.tensor_model_parallel_size == 1 and (c.expert_model_parallel_size or 1) == 1
+                and (c.expert_tensor_parallel_size or 1) == 1)
+    # a dense layer's config carries expert_tensor_parallel_size = TP too (mcore's default): not read here
+    return not (c.tensor_model_parallel_size > 1 and getattr(c, "tp_comm_overlap", False))
 
 
 def use_cpp_wrapper() -> None:

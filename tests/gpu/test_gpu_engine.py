@@ -45,9 +45,9 @@ LLAMA_LAYOUTS_2GPU = {
     "llama_pp2": dict(pp=2),
     "llama_dp2_distopt": dict(distopt=True),
     "llama_tp2_sp_compiled": dict(tp=2, sp=True, compile="plugin"),
-    # context parallelism: each rank holds two chunks of every sequence (layers/context_parallel.py)
     "llama_tp2_sp_compiled_python_wrapper": dict(tp=2, sp=True, compile="plugin", cpp_wrapper=False),
     "llama_tp2_sp_compiled_tp_comm_overlap": dict(tp=2, sp=True, compile="plugin", tp_comm_overlap=True),
+    # context parallelism: each rank holds two chunks of every sequence (layers/context_parallel.py)
     "llama_cp2": dict(cp=2),
     "llama_cp2_compiled": dict(cp=2, compile="plugin"),
 }
@@ -191,6 +191,22 @@ def _train(kwargs):
     return run_layout(**kwargs)
 
 
+def _train_and_wrapper(kwargs):
+    """(losses, whether the compiled layers took Inductor's C++ wrapper): the engine sets it process-wide
+    (engine/gpu.use_cpp_wrapper) and each task starts without it (tests/spawn.py)."""
+    from torch._inductor import config as inductor_config
+
+    return run_layout(**kwargs), bool(inductor_config.cpp_wrapper)
+
+
+def _expected_wrapper(layout) -> bool:
+    """engine/gpu.wants_cpp_wrapper for these dense layouts, unless the layout forces a wrapper: compiled in
+    Inductor's default mode (the plugin's or accelerate's knob), without CP or tp_comm_overlap."""
+    if "cpp_wrapper" in layout:
+        return layout["cpp_wrapper"]
+    return layout.get("compile") in ("plugin", "accelerate") and layout.get("cp", 1) == 1 and not layout.get("tp_comm_overlap")
+
+
 def test_baseline_learns(baseline):
     assert len(baseline) == STEPS
     assert sum(baseline[-5:]) < sum(baseline[:5]) * 0.8, baseline
@@ -217,8 +233,9 @@ def test_compiled_layers_with_cuda_graphs_track_eager_baseline(baseline):
 @two_gpus
 @pytest.mark.parametrize("name", list(LAYOUTS_2GPU))
 def test_layouts_track_single_gpu_loss(name, baseline):
-    for losses in run_on_ranks(_train, 2, LAYOUTS_2GPU[name]):
+    for losses, cpp_wrapper in run_on_ranks(_train_and_wrapper, 2, LAYOUTS_2GPU[name]):
         _assert_tracks(losses, baseline, name)
+        assert cpp_wrapper == _expected_wrapper(LAYOUTS_2GPU[name]), (name, cpp_wrapper)
 
 
 def test_llama_baseline_learns(llama_baseline):
@@ -228,8 +245,9 @@ def test_llama_baseline_learns(llama_baseline):
 @two_gpus
 @pytest.mark.parametrize("name", list(LLAMA_LAYOUTS_2GPU))
 def test_llama_layouts_track_single_gpu_loss(name, llama_baseline):
-    for losses in run_on_ranks(_train, 2, dict(LLAMA_LAYOUTS_2GPU[name], family="llama")):
+    for losses, cpp_wrapper in run_on_ranks(_train_and_wrapper, 2, dict(LLAMA_LAYOUTS_2GPU[name], family="llama")):
         _assert_tracks(losses, llama_baseline, name)
+        assert cpp_wrapper == _expected_wrapper(LLAMA_LAYOUTS_2GPU[name]), (name, cpp_wrapper)
 
 
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
