@@ -22,22 +22,15 @@ import os
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
 
 import argparse  # noqa: E402
-import time  # noqa: E402
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from bench_steps import cuda_seconds_per_call  # noqa: E402
 
 
-def timed(fn, iters=30):
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    dist.barrier()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e3
+def timed(fn):
+    """Milliseconds a call, every rank starting its timed calls together."""
+    return cuda_seconds_per_call(fn, iters=30, warmup=5, before=dist.barrier) * 1e3
 
 
 def main():

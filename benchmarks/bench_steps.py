@@ -192,6 +192,24 @@ class StepWatch:
         return out
 
 
+def cuda_seconds_per_call(fn, iters=20, warmup=3, before=None):
+    """Seconds one call of `fn` takes on the GPU, averaged over `iters` calls after `warmup` untimed ones (the
+    probes' timer: nccl_bandwidth, async_tp_probe, embedding_backward_probe). `before` runs once between the two,
+    after the GPU is idle (a barrier: every rank starts its timed calls together)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    if before is not None:
+        before()
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / iters
+
+
 def timed_steps(step, steps, device, events=None):
     """Run `steps` steps; returns (seconds, per-step ms, peak allocated bytes or None, the steps' losses read
     after the clock stops); `events`, a dict, receives StepWatch's report. On GPU, events between

@@ -10,22 +10,11 @@ each id's place in its own rank's part (`layers/embedding.local_rows`). Prints t
 two main_grads agree bit for bit (the zeros land on other rows; no sum changes)."""
 
 import argparse
-import time
 
 import torch
+from bench_steps import cuda_seconds_per_call
 
 from megatron_plugin.layers.embedding import local_rows
-
-
-def timed(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters * 1e3
 
 
 def main():
@@ -35,6 +24,11 @@ def main():
     p.add_argument("--tokens", type=int, default=16384)
     p.add_argument("--tp", type=int, default=2)
     args = p.parse_args()
+    for name in ("vocab", "hidden", "tokens", "tp"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name} {getattr(args, name)}: must be at least 1")
+    if not torch.cuda.is_available():
+        p.error("no CUDA GPU here: this probe times the GPU's index_put_; run it on a GPU machine")
     rows = -(-args.vocab // (args.tp * 128)) * 128  # megatron pads the vocabulary to a multiple of 128 x TP
     g = torch.Generator(device="cuda").manual_seed(0)
     ids = torch.randint(0, args.vocab, (args.tokens,), device="cuda", generator=g)
@@ -49,7 +43,7 @@ def main():
         def step():
             main_grad.index_put_((index,), grad.float(), accumulate=True)
 
-        ms = timed(step)
+        ms = cuda_seconds_per_call(step) * 1e3
         main_grad.zero_()
         step()
         results[name] = (ms, main_grad.clone())

@@ -8,21 +8,11 @@ Not nccl-tests itself: the lent machines have no network to fetch it, nor its bu
 library our runs use anyway."""
 
 import os
-import time
 
 import torch
 import torch.distributed as dist
 
-
-def timed(fn, iters=20):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t0) / iters
+from bench_steps import cuda_seconds_per_call as timed
 
 
 def main():

@@ -231,7 +231,7 @@ def wants_cpp_wrapper(layer, compile_kwargs: dict) -> bool:
         return (c.tensor_model_parallel_size == 1 and (c.expert_model_parallel_size or 1) == 1
                 and (c.expert_tensor_parallel_size or 1) == 1)
     # a dense layer's config carries expert_tensor_parallel_size = TP too (mcore's default): not read here
-    return not (c.tensor_model_parallel_size > 1 and getattr(c, "tp_comm_overlap", False))
+    return not (c.tensor_model_parallel_size > 1 and c.tp_comm_overlap)
 
 
 def use_cpp_wrapper() -> None:
