@@ -194,6 +194,47 @@ def _direct_grad_handover(optimizer) -> None:
         opt._copy_model_grads_to_main_grads = handover
 
 
+def _distopt_direct_copies(optimizer) -> None:
+    """mcore's distributed optimizer moves each weight's shard twice a step one weight at a time, finding its place
+    through three dict lookups and two slices each time: the gradient's shard to its fp32 master (`.float()`, a
+    dispatched no-op: we reduce in fp32) and the updated master into the bf16 parameter buffer (one copy_ launch a
+    weight). At 774M and DP = 2 the copies left the GPU idle 5.8 ms a step, waiting for the host. The places never
+    move (mcore never reassigns main_grad or the buckets' param_data; offload resizes their storages in place), so
+    they are taken once; the gradients are handed over as the same views, the weights copied in one foreach
+    launch. Left as mcore has it where any other path runs (FP8 parameters, precision-aware optimizer, FSDP)."""
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if (not isinstance(opt, DistributedOptimizer) or opt.is_stub_optimizer or opt.ddp_config.use_megatron_fsdp
+                or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
+                or opt.config.reuse_grad_buf_for_mxfp8_param_ag or any(opt._get_fp8_params_and_shard_fp32_from_fp8())):
+            continue
+        grads, dst, src = [], [], []
+        for model_groups, main_groups in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                                          (opt.model_fp32_groups, opt.shard_fp32_groups)):
+            for model_group, main_group in zip(model_groups, main_groups):
+                for model_param, main_param in zip(model_group, main_group):
+                    if model_param.main_grad.dtype != torch.float32:
+                        return
+                    ranges = opt._get_model_param_range_map(model_param)
+                    grads.append((main_param, model_param.main_grad.view(-1)[ranges["param"].start:ranges["param"].end]))
+                    gbuf, _, bucket = opt.model_param_gbuf_map[model_param]
+                    world = ranges["gbuf_world_in_bucket"]
+                    dst.append(opt.buffers[gbuf].buckets[bucket].param_data.view(-1)[world.start:world.end])
+                    src.append(main_param)
+
+        def handover(grads=grads):
+            for main_param, grad in grads:
+                main_param.grad = grad
+
+        def copy_weights(dst=dst, src=src):
+            if dst:
+                torch._foreach_copy_(dst, src)
+
+        opt._copy_model_grads_to_main_grads = handover
+        opt._copy_main_params_to_model_params = copy_weights
+
+
 def compile_backend(compile_kwargs: dict):
     """The torch.compile backend of the layers: its name (accelerate's DynamoBackend as torch's lower-case name)
     or the callable given."""
@@ -287,6 +328,7 @@ class MegatronCoreEngine(MegatronEngine):
         use_fused_adam(optimizer)
         _foreach_weight_copy(optimizer)
         _direct_grad_handover(optimizer)
+        _distopt_direct_copies(optimizer)
         self.clip_on_device = device_clip.supported(optimizer)
         scheduler = build_scheduler(dummy_scheduler, optimizer, plugin) if dummy_scheduler is not None else None
 

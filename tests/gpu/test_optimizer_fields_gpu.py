@@ -156,3 +156,35 @@ def test_optimizer_cpu_offload_without_no_save_optim_is_refused():
 
     with pytest.raises(MegatronPluginConfigError, match="optimizer_cpu_offload=True: checkpoints of the CPU-offloaded"):
         _prepare(dict(use_distributed_optimizer=True, optimizer_cpu_offload=True), "bf16")
+
+
+def direct_copies_run(mcores_loops):
+    """bf16 with the distributed optimizer, STEPS steps: losses and every weight afterwards, with the engine's
+    direct shard copies (engine/gpu._distopt_direct_copies) or with megatron-core's own per-weight loops."""
+    import torch.distributed as dist
+
+    engine, opt, loader = _prepare(dict(use_distributed_optimizer=True, gradient_clipping=1.0), "bf16")
+    inner = engine.optimizer.chained_optimizers
+    names = ("_copy_model_grads_to_main_grads", "_copy_main_params_to_model_params")
+    installed = all(name in o.__dict__ for o in inner for name in names)
+    if mcores_loops:
+        for o in inner:
+            for name in names:
+                o.__dict__.pop(name)
+    engine.train()
+    losses = [engine(**batch).loss.item() for batch in loader]
+    weights = {n: p.detach().float().cpu() for n, p in engine.named_parameters()}
+    return {"losses": losses, "weights": weights, "installed": installed, "dp": dist.get_world_size()}
+
+
+@pytest.mark.parametrize("world", [1, pytest.param(2, marks=pytest.mark.two_gpus)], ids=["dp1", "dp2"])
+def test_distributed_optimizer_direct_copies_train_as_mcores_loops_bit_for_bit(world):
+    ours = run_on_ranks(direct_copies_run, world, False)
+    mcore = run_on_ranks(direct_copies_run, world, True)
+    for a, b in zip(ours, mcore):
+        assert a["installed"] and a["dp"] == world, a["installed"]
+        assert a["losses"] == b["losses"], (a["losses"], b["losses"])
+        assert a["losses"][-1] < a["losses"][0] - 0.1, a["losses"]
+        assert a["weights"].keys() == b["weights"].keys()
+        for name, w in a["weights"].items():
+            assert torch.equal(w, b["weights"][name]), name
