@@ -33,6 +33,9 @@
 #   two_gpu_rows  (nvidia-h200-x2) check 5 at GPT-2 774M: one GPU; DP = 2 with the distributed optimizer at the
 #               same global batch (16: each GPU half the one-GPU micro-batch) and at the same per-GPU batch (32);
 #               TP = 2 + SP                                                                        ~6 min
+#   two_gpu_dp    (nvidia-h200-x2) where DP = 2 at global 16 loses to 2x one GPU, now that its step is GPU-bound: one GPU
+#               at 8 sequences (each DP rank's share: the ceiling), then DP = 2 with NCCL held to 16 and to 8 CTAs
+#               (NCCL_MAX_CTAS; its 24 channels take SMs from the backward's GEMMs while the gradients reduce)  ~6 min
 #   two_gpu_tp    (nvidia-h200-x2) TP = 2 + SP at 774M where the host bounds it (sync wait 0, 2026-11-29): under
 #               Inductor's Python wrapper (--cpp_wrapper off; the engine gives TP layers the C++ one since
 #               2026-11-29), with tp_comm_overlap (torch's symmetric-memory ops), under CUDA graphs (reduce-overhead),
@@ -48,7 +51,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | two_gpu_tp | two_gpu_profiles | two_gpu_nccl | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_nccl | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -111,6 +114,11 @@ case "$stage" in
     for arm in "" "--nproc 2 --distopt" "--nproc 2 --distopt --global_batch 32" "--nproc 2 --tp 2 --sp"; do
       $T --sizes 774m --modes megatron_compile --steps 10 --warmup 3 $arm
     done 2>&1 | tee "$out/two_gpu_rows.log" ;;
+  two_gpu_dp)
+    L="--sizes 774m --modes megatron_compile --steps 10 --warmup 3"
+    { $T $L --global_batch 8
+      NCCL_MAX_CTAS=16 $T $L --nproc 2 --distopt
+      NCCL_MAX_CTAS=8 $T $L --nproc 2 --distopt; } 2>&1 | tee "$out/two_gpu_dp.log" ;;
   two_gpu_tp)
     L="--sizes 774m --modes megatron_compile --steps 10 --warmup 3 --nproc 2 --tp 2 --sp"
     { $T $L --cpp_wrapper off

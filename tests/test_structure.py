@@ -116,7 +116,7 @@ def test_patches_were_checked_against_the_installed_versions():
 
 
 @pytest.mark.parametrize("name", ["foreach_clip", "wgrad_fusion", "rope_tables", "quiet_cuda_connections_warning",
-                                  "cpu_sequence_parallel", "accelerate_megatron_hint"])
+                                  "cpu_sequence_parallel", "tp_grad_sums", "accelerate_megatron_hint"])
 def test_each_patch_installs_once_and_undoes_exactly(name):
     from megatron_plugin import patches
 
@@ -145,8 +145,9 @@ def test_a_run_asks_for_the_patches_it_needs():
 
     assert patches.for_run("cpu", wgrad_fusion=False, rotary=False) == ("quiet_cuda_connections_warning",
                                                                          "cpu_sequence_parallel")
-    assert patches.for_run("cuda", wgrad_fusion=True, rotary=True) == ("foreach_clip", "wgrad_fusion", "rope_tables")
-    assert patches.for_run("cuda", wgrad_fusion=False, rotary=False) == ("foreach_clip",)
+    assert patches.for_run("cuda", wgrad_fusion=True, rotary=True) == ("foreach_clip", "tp_grad_sums", "wgrad_fusion",
+                                                                       "rope_tables")
+    assert patches.for_run("cuda", wgrad_fusion=False, rotary=False) == ("foreach_clip", "tp_grad_sums")
 
 
 def test_a_model_built_without_its_patches_says_which():
