@@ -209,27 +209,36 @@ def _distopt_direct_copies(optimizer) -> None:
                 or opt.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8
                 or opt.config.reuse_grad_buf_for_mxfp8_param_ag or any(opt._get_fp8_params_and_shard_fp32_from_fp8())):
             continue
+        pairs = [(model_param, main_param)
+                 for model_groups, main_groups in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                                                   (opt.model_fp32_groups, opt.shard_fp32_groups))
+                 for model_group, main_group in zip(model_groups, main_groups)
+                 for model_param, main_param in zip(model_group, main_group)]
+        if any(model_param.main_grad.dtype != torch.float32 for model_param, _ in pairs):
+            continue  # mcore's `.float()` makes a copy there
         grads, dst, src = [], [], []
-        for model_groups, main_groups in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
-                                          (opt.model_fp32_groups, opt.shard_fp32_groups)):
-            for model_group, main_group in zip(model_groups, main_groups):
-                for model_param, main_param in zip(model_group, main_group):
-                    if model_param.main_grad.dtype != torch.float32:
-                        return
-                    ranges = opt._get_model_param_range_map(model_param)
-                    grads.append((main_param, model_param.main_grad.view(-1)[ranges["param"].start:ranges["param"].end]))
-                    gbuf, _, bucket = opt.model_param_gbuf_map[model_param]
-                    world = ranges["gbuf_world_in_bucket"]
-                    dst.append(opt.buffers[gbuf].buckets[bucket].param_data.view(-1)[world.start:world.end])
-                    src.append(main_param)
+        for model_param, main_param in pairs:
+            ranges = opt._get_model_param_range_map(model_param)
+            grads.append((main_param, model_param.main_grad.view(-1)[ranges["param"].start:ranges["param"].end]))
+            gbuf, _, bucket = opt.model_param_gbuf_map[model_param]
+            world = ranges["gbuf_world_in_bucket"]
+            dst.append(opt.buffers[gbuf].buckets[bucket].param_data.view(-1)[world.start:world.end])
+            src.append(main_param)
 
         def handover(grads=grads):
             for main_param, grad in grads:
                 main_param.grad = grad
 
-        def copy_weights(dst=dst, src=src):
-            if dst:
-                torch._foreach_copy_(dst, src)
+        # one foreach call per destination dtype: older torch picked the fast kernel by the first pair's dtype
+        by_dtype = {}
+        for d, m in zip(dst, src):
+            by_dtype.setdefault(d.dtype, ([], []))
+            by_dtype[d.dtype][0].append(d)
+            by_dtype[d.dtype][1].append(m)
+
+        def copy_weights(lists=tuple(by_dtype.values())):
+            for d, m in lists:
+                torch._foreach_copy_(d, m)
 
         opt._copy_model_grads_to_main_grads = handover
         opt._copy_main_params_to_model_params = copy_weights

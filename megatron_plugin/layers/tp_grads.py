@@ -44,6 +44,8 @@ def _select(chunk: torch.nn.Module, config) -> tuple:
 
 
 def _grads(params) -> List[torch.Tensor]:
+    """Their gradients now (trainability is fixed at prepare, before DDP builds its buckets: a weight frozen later
+    keeps a zeroed main_grad, which adds nothing to the sums)."""
     out = []
     for p in params:
         g = p.main_grad if hasattr(p, "main_grad") else p.grad
@@ -75,4 +77,7 @@ def allreduce_non_tensor_model_parallel_grads(model: List[torch.nn.Module], conf
             continue
         flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, op=op, group=tp_group)
-        torch._foreach_copy_(grads, _unflatten_dense_tensors(flat, grads))
+        sums = _unflatten_dense_tensors(flat, grads)
+        for dtype in {g.dtype for g in grads}:  # one foreach call per dtype (see engine/gpu._distopt_direct_copies)
+            pairs = [(g, s) for g, s in zip(grads, sums) if g.dtype == dtype]
+            torch._foreach_copy_([g for g, _ in pairs], [s for _, s in pairs])
