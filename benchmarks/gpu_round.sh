@@ -43,6 +43,9 @@
 #   two_gpu_profiles (nvidia-h200-x2) profiles at 774M: TP = 2 + SP (with the host's ranges by self time: the
 #               step is host-bound), DP = 2 (distributed optimizer, global 16), one GPU: where each two-GPU step
 #               exceeds half the one-GPU step                                                      ~5 min
+#   two_gpu_graphs (nvidia-h200-x2) why CUDA graphs (reduce-overhead) made TP = 2 + SP slower (52,884 tok/s against ~84k,
+#               2026-11-29) where the step is host-bound and graphs should help: its profile (kernels by kind, the
+#               GPU's gaps, the host's ranges) beside the default's                                  ~4 min
 #   two_gpu_nccl  (nvidia-h200-x2) the GPUs' link: topology, NVLink state, NCCL's transport, collective bandwidth;
 #               then whether overlapping TP's collectives with its GEMMs (torch's symmetric-memory fused ops) pays
 #               at 774M's shapes (benchmarks/async_tp_probe.py)                                     ~2 min
@@ -51,7 +54,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_nccl | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -130,6 +133,10 @@ case "$stage" in
     { torchrun --nproc-per-node 2 $P --tp 2 --sp --host_top 30
       torchrun --nproc-per-node 2 $P --distopt
       python $P; } 2>&1 | tee "$out/two_gpu_profiles.log" ;;
+  two_gpu_graphs)
+    P="benchmarks/profile_step.py --size 774m --mode megatron_compile --steps 3 --warmup 3 --gaps 25 --host_top 30 --tp 2 --sp"
+    { torchrun --nproc-per-node 2 $P --compile_mode reduce-overhead
+      torchrun --nproc-per-node 2 $P; } 2>&1 | tee "$out/two_gpu_graphs.log" ;;
   two_gpu_nccl)
     { nvidia-smi topo -m; nvidia-smi nvlink -s | head -40; env | grep -E "^(NCCL|TORCH_SYMM|NVSHMEM)" ; } \
       > "$out/two_gpu_nccl.log" 2>&1
