@@ -22,7 +22,7 @@ def _optimizer(seed):
     It owns w1[3:12], w2[0:2] and w3[2:6]."""
     g = torch.Generator().manual_seed(seed)
     buffers, gbuf_ranges, gbuf_map = [], [], {}
-    owned = {}  # weight -> (start in the weight, end, its master)
+    owned = {}  # weight -> the fp32 master of its shard
     params = {}
     for gbuf, (dtype, sizes, shards) in enumerate([(torch.bfloat16, [12, 5], [(3, 12), (0, 2)]),
                                                    (torch.float32, [6], [(2, 6)])]):
@@ -33,7 +33,7 @@ def _optimizer(seed):
             p.main_grad = torch.randn(size, generator=g)
             param_map[p] = {"param": Range(start, end), "gbuf_world_in_bucket": Range(offset + start, offset + end)}
             gbuf_map[p] = (gbuf, dtype, 0)
-            owned[p] = torch.randn(end - start, generator=g)  # the fp32 master of the shard
+            owned[p] = torch.randn(end - start, generator=g)
             params[f"{gbuf}.{i}"] = p
             bucket_params.append(p)
             offset += size
@@ -52,9 +52,12 @@ def _optimizer(seed):
     return opt
 
 
+def _masters(opt):
+    return [m for group in opt.shard_fp32_from_float16_groups + opt.shard_fp32_groups for m in group]
+
+
 def _state(opt):
-    masters = [m for group in opt.shard_fp32_from_float16_groups + opt.shard_fp32_groups for m in group]
-    return [m.grad for m in masters], [b.buckets[0].param_data.clone() for b in opt.buffers]
+    return [m.grad for m in _masters(opt)], [b.buckets[0].param_data.clone() for b in opt.buffers]
 
 
 def test_direct_copies_hand_over_and_copy_as_megatron_core_does():
@@ -63,7 +66,7 @@ def test_direct_copies_hand_over_and_copy_as_megatron_core_does():
     assert {"_copy_model_grads_to_main_grads", "_copy_main_params_to_model_params"} <= set(ours.__dict__)
     for step in range(2):  # the second step reuses the places taken once
         for opt in (mcore, ours):
-            for m in [m for group in opt.shard_fp32_from_float16_groups + opt.shard_fp32_groups for m in group]:
+            for m in _masters(opt):
                 m.grad = None
                 m.data.add_(0.25 * (step + 1))  # an optimizer step's update of the masters
         DistributedOptimizer._copy_model_grads_to_main_grads(mcore)

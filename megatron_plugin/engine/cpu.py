@@ -31,6 +31,7 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 from ..errors import MegatronPluginConfigError
+from ..layers.comm import all_reduce_in_place
 from .base import MegatronEngine, average_logs
 
 
@@ -159,10 +160,7 @@ def summed_over_tensor_parallel(name: str, param, config) -> bool:
 def _sum_over(grads, group) -> None:
     if not grads or group is None or dist.get_world_size(group) == 1:
         return
-    flat = torch._utils._flatten_dense_tensors(grads)
-    dist.all_reduce(flat, group=group)
-    for g, reduced in zip(grads, torch._utils._unflatten_dense_tensors(flat, grads)):
-        g.copy_(reduced)
+    all_reduce_in_place(grads, group)
 
 
 def _squares(grads, device) -> torch.Tensor:

@@ -36,6 +36,7 @@ from .base import MegatronEngine, average_logs
 from ..errors import MegatronPluginConfigError
 from . import device_clip
 from .grad_buffers import GradBufferReset
+from ..layers import foreach_ops
 from ..layers.fp8 import cache_weights as cache_fp8_weights, drop_weight_cache as drop_fp8_weight_cache
 from ..layers.fp8 import settle as settle_fp8, state_of as fp8_state_of
 from ..layers.moe import MoELayer, stack_experts_each_forward
@@ -158,8 +159,6 @@ def _foreach_weight_copy(optimizer) -> None:
     The buffer is only filled with 0 (`_multi_tensor_copy_this_to_that`); the values copied are the same."""
     from megatron.core.optimizer import optimizer as mcore_optimizer
 
-    from ..layers import foreach_ops
-
     if mcore_optimizer.multi_tensor_applier is not foreach_ops.multi_tensor_applier:
         return
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
@@ -229,14 +228,7 @@ def _distopt_direct_copies(optimizer) -> None:
             for main_param, grad in grads:
                 main_param.grad = grad
 
-        # one foreach call per destination dtype: older torch picked the fast kernel by the first pair's dtype
-        by_dtype = {}
-        for d, m in zip(dst, src):
-            by_dtype.setdefault(d.dtype, ([], []))
-            by_dtype[d.dtype][0].append(d)
-            by_dtype[d.dtype][1].append(m)
-
-        def copy_weights(lists=tuple(by_dtype.values())):
+        def copy_weights(lists=foreach_ops.by_dtype(dst, src)):
             for d, m in lists:
                 torch._foreach_copy_(d, m)
 

@@ -7,6 +7,18 @@ import torch.distributed as dist
 from megatron.core import parallel_state
 
 
+def all_reduce_in_place(tensors, group, op=dist.ReduceOp.SUM) -> None:
+    """All-reduce a list of tensors (gradients) as one flat buffer, the results copied back in one foreach launch
+    per dtype (layers/foreach_ops.copy_): one collective and a few launches, however many tensors."""
+    from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+    from .foreach_ops import copy_
+
+    flat = _flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, op=op, group=group)
+    copy_(list(tensors), list(_unflatten_dense_tensors(flat, tensors)))
+
+
 class _GatherLastDim(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):

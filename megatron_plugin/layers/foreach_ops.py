@@ -34,5 +34,22 @@ def multi_tensor_scale(chunk_size, noop_flag, tensor_lists: List[List[torch.Tens
         torch._foreach_copy_(dst, torch._foreach_mul(src, scale))
 
 
+def by_dtype(dst: List[torch.Tensor], src: List[torch.Tensor]) -> List[tuple]:
+    """[(dsts, srcs)] with one destination dtype each, for `copy_`: older torch picked `_foreach_copy_`'s fast
+    kernel by the first pair's dtype. Callers that copy the same lists every step group them once."""
+    groups = {}
+    for d, s in zip(dst, src):
+        ds, ss = groups.setdefault(d.dtype, ([], []))
+        ds.append(d)
+        ss.append(s)
+    return list(groups.values())
+
+
+def copy_(dst: List[torch.Tensor], src: List[torch.Tensor]) -> None:
+    """dst[i].copy_(src[i]) for every i, in one foreach launch per destination dtype."""
+    for d, s in by_dtype(dst, src):
+        torch._foreach_copy_(d, s)
+
+
 def multi_tensor_applier(op, noop_flag, tensor_lists, *args):
     return op(2048 * 32, noop_flag, tensor_lists, *args)

@@ -16,7 +16,8 @@ from typing import Callable, List, Optional
 
 import torch
 import torch.distributed as dist
-from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+from .comm import all_reduce_in_place
 
 # model chunk -> ((sequence_parallel, qk_layernorm), params summed, params averaged)
 _SELECTED: "weakref.WeakKeyDictionary[torch.nn.Module, tuple]" = weakref.WeakKeyDictionary()
@@ -75,9 +76,4 @@ def allreduce_non_tensor_model_parallel_grads(model: List[torch.nn.Module], conf
         grads = _grads(params)
         if not grads:
             continue
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, op=op, group=tp_group)
-        sums = _unflatten_dense_tensors(flat, grads)
-        for dtype in {g.dtype for g in grads}:  # one foreach call per dtype (see engine/gpu._distopt_direct_copies)
-            pairs = [(g, s) for g, s in zip(grads, sums) if g.dtype == dtype]
-            torch._foreach_copy_([g for g, _ in pairs], [s for _, s in pairs])
+        all_reduce_in_place(grads, tp_group, op)
