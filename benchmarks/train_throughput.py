@@ -189,7 +189,7 @@ def build_step(args):
                                   fp8=args.fp8 or None, fp8_recipe=args.fp8_recipe,
                                   first_last_layers_bf16=not args.fp8_all_layers,
                                   manual_gc=args.manual_gc is not None, manual_gc_interval=args.manual_gc or 0,
-                                  other_megatron_args={"tp_comm_overlap": True} if args.tp_comm_overlap else {})
+                                  other_megatron_args=megatron_args(args))
         dynamo = {}
         if args.compile_mode and args.mode == "megatron_compile":  # through accelerate's knob, as a user sets it
             from accelerate.utils import TorchDynamoPlugin
@@ -229,6 +229,16 @@ def build_step(args):
     return step, cfg, world
 
 
+def megatron_args(args) -> dict:
+    """other_megatron_args from the flags. --full_graph: Megatron's full-iteration CUDA graph, captured in the last
+    warm-up step so that no timed step pays for the capture."""
+    out = {"tp_comm_overlap": True} if args.tp_comm_overlap else {}
+    if args.full_graph:
+        out.update(cuda_graph_impl="local", cuda_graph_scope="full_iteration",
+                   cuda_graph_warmup_steps=max(1, args.warmup - 1))
+    return out
+
+
 def measure(args):
     """One mode, one size, in this process; prints a JSON line on the last rank."""
     import torch
@@ -262,7 +272,7 @@ def measure(args):
     variant = args.mode
     if args.mode.startswith("megatron"):
         variant += "".join(f"+{f}" for f in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion",
-                                             "tp_comm_overlap") if getattr(args, f))
+                                             "tp_comm_overlap", "full_graph") if getattr(args, f))
     if args.compile_mode and args.mode.endswith("compile"):
         variant += f" mode={args.compile_mode}"
     if args.lora_r:
@@ -298,7 +308,7 @@ def drive(args):
             cmd += ["--manual_gc", str(args.manual_gc)] if args.manual_gc is not None else []
             cmd += ["--cpp_wrapper", args.cpp_wrapper]
             cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion",
-                                             "tp_comm_overlap") if getattr(args, flag)]
+                                             "tp_comm_overlap", "full_graph") if getattr(args, flag)]
             if args.nproc > 1:
                 cmd = ["torchrun", "--nproc-per-node", str(args.nproc)] + cmd[1:]
             proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -352,6 +362,9 @@ def parser(description=__doc__.splitlines()[0]):
                    help="megatron_compile: Inductor's C++ wrapper for every compiled layer (on), for none (off), or as "
                         "the engine chooses (auto: engine/gpu.wants_cpp_wrapper); to time the choice, one GPU only")
     p.add_argument("--sp", action="store_true")
+    p.add_argument("--full_graph", action="store_true",
+                   help="megatron: Megatron's full-iteration CUDA graph (other_megatron_args cuda_graph_impl='local', "
+                        "cuda_graph_scope='full_iteration'), captured in the last warm-up step")
     p.add_argument("--tp_comm_overlap", action="store_true",
                    help="megatron: other_megatron_args={'tp_comm_overlap': True} (SP's collectives overlapped with the GEMMs)")
     p.add_argument("--distopt", action="store_true")

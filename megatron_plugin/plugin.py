@@ -557,6 +557,7 @@ class MegatronLMPlugin:
             raise MegatronPluginConfigError("lr_decay_style", self.lr_decay_style, "use 'constant', 'linear' or 'cosine'")
         self._validate_accelerate_fields()
         self._validate_fp8()
+        full_iteration_graph(self)
         self._require_switches("manual_gc", "manual_gc_eval")
         self._require_whole("manual_gc_interval", 0, " (steps between collections; 0: none between steps)")
         if world_size is not None and world_size < 1:
@@ -1019,6 +1020,78 @@ def check_tp_comm_overlap(plugin: MegatronLMPlugin, device_type: str, compile_kw
                 "a Transformer Engine userbuffers setting; tp_comm_overlap here overlaps every sequence-parallel "
                 f"gather and reduce-scatter with its GEMM through torch's symmetric memory and reads no such "
                 f"setting: remove it (its default is {defaults[key]!r})")
+
+
+def full_iteration_graph(plugin: MegatronLMPlugin) -> Optional[int]:
+    """The eager training steps before Megatron's full-iteration CUDA graph is captured (TransformerConfig's
+    `cuda_graph_warmup_steps`, default 3), or None without the graph. Megatron-LM's names, in other_megatron_args:
+    `cuda_graph_impl="local"` with `cuda_graph_scope="full_iteration"` (engine/full_graph.py). The other CUDA-graph
+    scopes are megatron-core's per-layer graphs, made for its own layers: refused, with torch.compile's mode
+    'reduce-overhead' named as ours."""
+    args = plugin.other_megatron_args if isinstance(plugin.other_megatron_args, dict) else {}
+    for old, new in (("enable_cuda_graph", "cuda_graph_impl='local'"), ("external_cuda_graph",
+                                                                         "cuda_graph_impl='transformer_engine'")):
+        if args.get(old):
+            raise MegatronPluginConfigError(
+                f"other_megatron_args[{old!r}]", args[old],
+                f"deprecated in megatron-core (it means {new}): pass other_megatron_args={{'cuda_graph_impl': "
+                "'local', 'cuda_graph_scope': 'full_iteration'}} for the whole training step as one CUDA graph")
+    impl = args.get("cuda_graph_impl", "none")
+    if impl in ("none", None):
+        return None
+    scope = args.get("cuda_graph_scope", "full")
+    scopes = [s.name if hasattr(s, "name") else str(s) for s in (scope if isinstance(scope, (list, tuple)) else
+                                                                   str(scope).split(","))]
+    per_layer = ("for CUDA graphs per layer use torch.compile's mode 'reduce-overhead' (accelerate's dynamo "
+                 "config); for the whole training step pass cuda_graph_impl='local' with "
+                 "cuda_graph_scope='full_iteration'")
+    if impl != "local":
+        raise MegatronPluginConfigError("other_megatron_args['cuda_graph_impl']", impl,
+                                        f"'local' or 'none' here ('transformer_engine' graphs TE's layers): {per_layer}")
+    if scopes != ["full_iteration"]:
+        raise MegatronPluginConfigError(
+            "other_megatron_args['cuda_graph_scope']", scope,
+            f"with cuda_graph_impl='local' only 'full_iteration' runs here (megatron-core's per-layer graphs are "
+            f"made for its own layers): {per_layer}")
+    warmup = args.get("cuda_graph_warmup_steps", 3)
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise MegatronPluginConfigError(
+            "other_megatron_args['cuda_graph_warmup_steps']", warmup,
+            "an int >= 1: the eager training steps before the capture (they compile the layers)")
+    return warmup
+
+
+def check_full_iteration_graph(plugin: MegatronLMPlugin, device_type: str, compile_kwargs: Optional[dict],
+                               mixed_precision: str, moe: bool) -> None:
+    """Where the full-iteration CUDA graph runs: the CUDA engine without pipelining, context parallelism, MoE,
+    FP8, fp16, recompute (LoRA: engine/lora.check_lora_run), the optimizer on the CPU or per-layer graphs. Each of those keeps state on the host
+    that a replay would not update, or waits for the GPU inside the step, or is untested under a capture."""
+    if full_iteration_graph(plugin) is None:
+        return
+    setting, value = "other_megatron_args['cuda_graph_scope']", "full_iteration"
+    remove = "or remove cuda_graph_impl / cuda_graph_scope from other_megatron_args"
+    if device_type != "cuda":
+        raise MegatronPluginConfigError(setting, value, f"a CUDA graph needs the CUDA engine: {remove} for a CPU run")
+    refusals = [
+        (plugin.pp_degree > 1, f"pp_degree={plugin.pp_degree}", "pipeline schedules' point-to-point sends are not "
+         "tested under a capture: set pp_degree=1"),
+        ((plugin.context_parallel_size or 1) > 1, f"context_parallel_size={plugin.context_parallel_size}",
+         "context parallelism is not tested under a capture: set context_parallel_size=1"),
+        (moe, "an MoE model", "the router's token counts are read by the host each step: train it without the graph"),
+        (bool(plugin.fp8), f"fp8={plugin.fp8!r}", "the FP8 linears keep their scaling state on the host: leave fp8 "
+         "unset"),
+        (mixed_precision == "fp16", "mixed_precision='fp16'", "fp16's loss scale is a new tensor after each change, "
+         "which a replay would not read: use bf16"),
+        (plugin.recompute_granularity is not None, f"recompute_granularity={plugin.recompute_granularity!r}",
+         "recomputation is not tested under a capture: turn it off"),
+        (bool(plugin.optimizer_cpu_offload), "optimizer_cpu_offload=True", "the optimizer's copies to the CPU are not "
+         "tested under a capture: keep the optimizer on the GPU"),
+        (uses_cuda_graphs(compile_kwargs), f"torch.compile mode {(compile_kwargs or {}).get('mode')!r}",
+         "that mode captures each layer's graph, which cannot run inside the step's: use the default mode"),
+    ]
+    for refused, what, fix in refusals:
+        if refused:
+            raise MegatronPluginConfigError(setting, value, f"not with {what}: {fix}, {remove}")
 
 
 def uses_cuda_graphs(compile_kwargs: Optional[dict]) -> bool:

@@ -37,7 +37,7 @@ from .fs import check_writable
 from .models import ModelFamily, check_model, check_moe_training
 from .models.convert import mcore_to_hf_sources
 from .plugin import (MegatronLMPlugin, check_compile, check_cpu_support, check_fp8, check_mixed_precision,
-                     check_tp_comm_overlap,
+                     check_tp_comm_overlap, check_full_iteration_graph,
                      resolve_train_step_class, uses_cuda_graphs)
 
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -268,6 +268,8 @@ def resolve(inputs: Inputs, plugin: MegatronLMPlugin, *, world_size: int, device
     dp = world_size // (plugin.tp_degree * plugin.pp_degree * plugin.context_parallel_size)
     fusion = resolve_fusion(plugin, device_type, compile_kwargs)
     check_tp_comm_overlap(plugin, device_type, compile_kwargs, fusion)
+    check_full_iteration_graph(plugin, device_type, compile_kwargs, mixed_precision,
+                               moe=bool(family.num_experts(hf_model.config)))
     micro = micro_batch_size(inputs.loaders, inputs.indexed, plugin)
     # as accelerate's resolved plugin has them after prepare (its set_training_args)
     resolved = _resolved_plugin(plugin, gradient_accumulation_fusion=fusion, megatron_dataset_flag=bool(inputs.indexed),

@@ -157,6 +157,8 @@ def _prepare_errors():
     expect("step_as_instance", lambda: _prepare(plugin=MegatronLMPlugin(custom_train_step_class=object())))
     # Megatron's TE-only switch, done here through torch's symmetric memory on CUDA: never silently ignored
     expect("tp_comm_overlap_on_cpu", lambda: _prepare(plugin=MegatronLMPlugin(other_megatron_args={"tp_comm_overlap": True})))
+    expect("full_iteration_graph_on_cpu", lambda: _prepare(plugin=MegatronLMPlugin(
+        other_megatron_args={"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"})))
 
     def missing_from_optimizer():
         model = tiny()
@@ -187,6 +189,8 @@ def test_prepare_refuses_before_distributed_work():
         "rotary_interleaved": ("other_megatron_args['rotary_interleaved']", "gives False", "remove the key"),
         "step_as_instance": ("custom_train_step_class", "subclass"),
         "tp_comm_overlap_on_cpu": ("other_megatron_args['tp_comm_overlap']", "symmetric memory", "remove it for a CPU run"),
+        "full_iteration_graph_on_cpu": ("other_megatron_args['cuda_graph_scope']", "needs the CUDA engine",
+                                        "for a CPU run"),
         "trainable_not_in_optimizer": ("optimizer", "transformer.h.1.mlp.c_fc.weight", "requires_grad_(False)"),
         "warmup": ("warmup_num_steps", "shorter than the 4"),
     }

@@ -19,7 +19,7 @@ from .. import patches
 from ..layout import Layout, current_layout
 from ..models import check_model
 from ..placement import machine_names, placement
-from ..plugin import MegatronLMPlugin
+from ..plugin import MegatronLMPlugin, full_iteration_graph
 
 logger = logging.getLogger(__name__)
 
@@ -100,7 +100,7 @@ def start(plugin: MegatronLMPlugin, num_layers=None, timeout_minutes: int = 30) 
             create_gloo_process_groups=torch.cuda.is_available(),
         )
         report_layout(plugin)
-    set_seed(plugin.seed)
+    set_seed(plugin.seed, graph_safe=full_iteration_graph(plugin) is not None)
     return current_layout(device)
 
 
@@ -125,14 +125,20 @@ def report_layout(plugin: MegatronLMPlugin) -> None:
         logger.warning("%s", where.warning)
 
 
-def set_seed(seed: int) -> None:
+def set_seed(seed: int, graph_safe: bool = False) -> None:
     """Same seed on every rank for data order and replicated init; on GPU, mcore's tracker gives TP
-    ranks their own stream for dropout inside tensor-parallel regions."""
+    ranks their own stream for dropout inside tensor-parallel regions. `graph_safe`: the tracker's streams are
+    generators that a captured CUDA graph advances on each replay (engine/full_graph.py), the same numbers."""
     random.seed(seed)
     np.random.seed(seed)
     torch.manual_seed(seed)
     if torch.cuda.is_available():
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        from megatron.core.tensor_parallel import random as mcore_random
+
+        current = mcore_random._CUDA_RNG_STATE_TRACKER  # a tracker of the other kind is made anew
+        tensor_parallel.model_parallel_cuda_manual_seed(
+            seed, use_cudagraphable_rng=graph_safe,
+            force_reset_rng=getattr(current, "use_cudagraphable_rng", graph_safe) != graph_safe)
 
 
 _AT_EXIT = []

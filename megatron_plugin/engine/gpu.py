@@ -35,12 +35,14 @@ from .. import patches
 from .base import MegatronEngine, average_logs
 from ..errors import MegatronPluginConfigError
 from . import device_clip
+from .full_graph import FullIterationGraph
 from .grad_buffers import GradBufferReset
 from ..layers import foreach_ops
 from ..layers.fp8 import cache_weights as cache_fp8_weights, drop_weight_cache as drop_fp8_weight_cache
 from ..layers.fp8 import settle as settle_fp8, state_of as fp8_state_of
 from ..layers.moe import MoELayer, stack_experts_each_forward
 from .optimizer import check_optimizer, check_optimizer_fields, use_fused_adam
+from ..plugin import full_iteration_graph
 from .scheduler import build_scheduler
 
 logger = logging.getLogger(__name__)
@@ -111,6 +113,14 @@ def start_values(optimizer) -> None:
     for g in optimizer.param_groups:
         g["lr"] = g.get("max_lr", g["lr"])
         g["weight_decay"] = g.get("weight_decay", 0.0) * g.get("wd_mult", 1.0)
+
+
+def _tracker_generators():
+    """megatron-core's RNG tracker's streams, where they are generators (graph-safe tracker): a captured step
+    draws from them, so the graph must advance them on each replay."""
+    from megatron.core.tensor_parallel.random import get_all_rng_states
+
+    return [s for s in get_all_rng_states().values() if isinstance(s, torch.Generator)]
 
 
 def _judge_after_first_forward(forward_step, check):
@@ -350,6 +360,9 @@ class MegatronCoreEngine(MegatronEngine):
         # the step's FP8 weight copies compiled with the layers' backend (layers/fp8.cache_weights)
         self._fp8_backend = compile_backend(compile_kwargs) if compile_kwargs is not None else None
         self._unsettled_fp8 = [st for st in self._fp8_states if st.scale is not None and not st.settled]
+        warmup = full_iteration_graph(plugin)
+        self.full_graph = None if warmup is None else FullIterationGraph(
+            warmup, device, places=self._graph_places, generators=_tracker_generators)
 
     def train(self, mode: bool = True):
         super().train(mode)
@@ -357,7 +370,15 @@ class MegatronCoreEngine(MegatronEngine):
             m.train(mode)
         return self
 
-    def _run_schedule(self, micro_batches, forward_only: bool, forward_step=None, step=None):
+    def _graph_places(self):
+        """What a captured step reads and writes by address: every weight, and DDP's gradient and weight buffers."""
+        places = [p for m in self.wrapped for p in m.parameters()]
+        for m in self.wrapped:
+            for b in m.buffers + m.expert_parallel_buffers:
+                places += [t for t in (b.grad_data, b.param_data) if t is not None]
+        return places
+
+    def _run_schedule(self, micro_batches, forward_only: bool, forward_step=None, step=None, judge=True):
         n = len(micro_batches)
         step = step or self.train_step_handler
         b, s = step.schedule_shape(micro_batches[0])  # s: this context-parallel rank's tokens
@@ -372,7 +393,7 @@ class MegatronCoreEngine(MegatronEngine):
         chunks = list(self.wrapped)
         iters = [iter(micro_batches) for _ in chunks] if len(chunks) > 1 else iter(micro_batches)
         forward_step = forward_step or step.forward_step
-        if self._pending_check is not None:
+        if self._pending_check is not None and judge:
             forward_step = _judge_after_first_forward(forward_step, self._pending_check)
         if self.plugin.calculate_per_token_loss:
             forward_step = _require_token_counts(forward_step)
@@ -403,7 +424,16 @@ class MegatronCoreEngine(MegatronEngine):
         self.optimizer.zero_grad()
         try:
             cache_fp8_weights(self._fp8_states, compiled=self._fp8_backend)
-            collected = self._run_schedule(micro_batches, forward_only=False)
+            if self.full_graph is None:
+                collected = self._run_schedule(micro_batches, forward_only=False)
+            else:
+                # the batch check is read once the step is queued (it cannot be inside a capture); its safe
+                # batch ran, and a bad one stops here, before the optimizer step
+                collected = self.full_graph.run(
+                    micro_batches, lambda mbs: self._run_schedule(mbs, forward_only=False, judge=False),
+                    self.iteration + 1)
+                if self._pending_check is not None:
+                    self._pending_check.raise_if_no_loss()
         finally:
             drop_fp8_weight_cache(self._fp8_states)
         if self.clip_on_device:

@@ -275,3 +275,39 @@ def deferred_check_run():
     res["empty_weights_kept"] = all(torch.equal(a, b) for a, b in zip(before, weights()))
     res["losses"].append(engine(**good).loss.item())
     return res
+
+
+def full_graph_run(graph=True, tp=1, sp=False, distopt=False, compile=True, family="gpt2", dropout=0.0, steps=10,
+                   save_dir=None):
+    """Training steps with Megatron's full-iteration CUDA graph (engine/full_graph.py; captured after 2 eager steps)
+    or without it, the same data and seed: the losses, grad norms and the graph's counts. With `save_dir`, a
+    save_state / load_state round trip after `steps - 3` steps (the RNG tracker's generators go through it)."""
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+
+    world = int(os.environ["WORLD_SIZE"])
+    dp = world // tp
+    args = {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration", "cuda_graph_warmup_steps": 2} if graph else {}
+    if dropout:
+        args.update(hidden_dropout=dropout, attention_dropout=dropout)
+    plugin = MegatronLMPlugin(tp_degree=tp, sequence_parallelism=sp, use_distributed_optimizer=distopt,
+                              num_micro_batches=NUM_MICRO, torch_compile=compile, other_megatron_args=args)
+    acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16")
+    hf = gpu_model(family)
+    loader = DataLoader(dataset(steps * MICRO * NUM_MICRO, family=family), batch_size=MICRO // dp, shuffle=False,
+                        drop_last=True)
+    opt = torch.optim.AdamW(hf.parameters(), lr=1e-3, weight_decay=0.01)
+    sched = MegatronLMDummyScheduler(opt, total_num_steps=steps, warmup_num_steps=2)
+    engine, opt, sched, loader = acc.prepare(hf, opt, sched, loader)
+    engine.train()
+    losses, norms, rng = [], [], []
+    for i, batch in enumerate(loader):
+        out = engine(**batch)
+        losses.append(out.loss.item())
+        norms.append(float(engine.last_grad_norm))
+        rng.append(engine.rng.state["cuda"].clone())
+        if save_dir and i == steps - 4:
+            acc.save_state(save_dir)
+            acc.load_state(save_dir)
+    fg = getattr(engine, "full_graph", None)
+    return {"losses": losses, "norms": norms, "captures": fg.captures if fg else 0, "replays": fg.replays if fg else 0,
+            "rng_moved": all(not torch.equal(a, b) for a, b in zip(rng, rng[1:]))}

@@ -127,7 +127,9 @@ class TrainingState:
                  "model": self.rng.state_dict()}
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state()
-            state["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
+            # as tensors, whichever kind the tracker is: a checkpoint loads into a run with or without CUDA graphs
+            state["tracker"] = {k: v.get_state() if isinstance(v, torch.Generator) else v
+                                for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
         return state
 
     def set_rng_state(self, state: dict) -> None:
@@ -140,7 +142,15 @@ class TrainingState:
         torch.set_rng_state(state["torch"])
         if torch.cuda.is_available() and "cuda" in state:
             torch.cuda.set_rng_state(state["cuda"])
-            tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+            tracker = tensor_parallel.get_cuda_rng_tracker()
+            if getattr(tracker, "use_cudagraphable_rng", False):
+                # into the generators themselves: a captured CUDA graph holds them (engine/full_graph.py)
+                for name, saved in state["tracker"].items():
+                    tracker.get_states()[name].set_state(
+                        saved.get_state() if isinstance(saved, torch.Generator) else saved)
+            else:
+                tracker.set_states({k: v.get_state() if isinstance(v, torch.Generator) else v
+                                    for k, v in state["tracker"].items()})
 
     def load_scheduler(self, saved: dict) -> None:
         """megatron-core's scheduler loads by stepping `num_steps` on from where it is, right for a run that

@@ -1,0 +1,147 @@
+"""Megatron's full-iteration CUDA graph (engine/full_graph.py): the settings, where they are refused, and the replay
+bookkeeping (static batches, shapes, moved weights, results out of the graph's memory). The capture and replay
+themselves need CUDA: tests/gpu/test_full_graph_gpu.py trains with them against the eager step."""
+
+import pytest
+import torch
+
+from megatron_plugin import MegatronLMPlugin
+from megatron_plugin.engine.full_graph import FullIterationGraph, batch_layout
+from megatron_plugin.errors import MegatronPluginConfigError
+from megatron_plugin.plugin import check_full_iteration_graph, full_iteration_graph
+
+FULL = {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"}
+
+
+@pytest.fixture
+def clean_env(monkeypatch):
+    import os
+
+    for key in list(os.environ):
+        if key.startswith("MEGATRON_LM_"):
+            monkeypatch.delenv(key)
+    return monkeypatch
+
+
+def test_megatron_names_turn_it_on_with_megatrons_warmup(clean_env):
+    assert full_iteration_graph(MegatronLMPlugin()) is None
+    assert full_iteration_graph(MegatronLMPlugin(other_megatron_args={"cuda_graph_impl": "none"})) is None
+    assert full_iteration_graph(MegatronLMPlugin(other_megatron_args=FULL)) == 3  # TransformerConfig's default
+    assert full_iteration_graph(MegatronLMPlugin(other_megatron_args={**FULL, "cuda_graph_warmup_steps": 1})) == 1
+    assert full_iteration_graph(MegatronLMPlugin(other_megatron_args={**FULL, "cuda_graph_scope": ["full_iteration"]})) == 3
+
+
+@pytest.mark.parametrize("args, setting, words", [
+    ({"cuda_graph_impl": "transformer_engine", "cuda_graph_scope": "full_iteration"}, "cuda_graph_impl",
+     "'local' or 'none'.*reduce-overhead"),
+    ({"cuda_graph_impl": "local"}, "cuda_graph_scope", "'full'.*only 'full_iteration'"),
+    ({"cuda_graph_impl": "local", "cuda_graph_scope": "attn,mlp"}, "cuda_graph_scope", "only 'full_iteration'"),
+    ({**FULL, "cuda_graph_warmup_steps": 0}, "cuda_graph_warmup_steps", "int >= 1"),
+    ({"enable_cuda_graph": True}, "enable_cuda_graph", "deprecated.*'full_iteration'"),
+])
+def test_other_cuda_graph_settings_refused_at_the_plugin(clean_env, args, setting, words):
+    with pytest.raises(MegatronPluginConfigError, match=rf"other_megatron_args\['{setting}'\].*{words}"):
+        MegatronLMPlugin(other_megatron_args=args)
+
+
+def test_refused_where_a_replay_would_be_wrong_or_is_untested(clean_env):
+    def plugin(**kw):
+        return MegatronLMPlugin(other_megatron_args=FULL, **kw)
+
+    compiled = {"backend": "inductor"}
+    check_full_iteration_graph(plugin(tp_degree=2, sequence_parallelism=True), "cuda", compiled, "bf16", moe=False)
+    check_full_iteration_graph(plugin(), "cuda", None, "no", moe=False)  # eager layers too
+    check_full_iteration_graph(MegatronLMPlugin(fp8="hybrid"), "cuda", compiled, "fp16", moe=True)  # graph off
+    refusals = [
+        ((plugin(), "cpu", None, "no", False), "needs the CUDA engine"),
+        ((plugin(pp_degree=2), "cuda", compiled, "bf16", False), "pp_degree=2.*set pp_degree=1"),
+        ((plugin(context_parallel_size=2), "cuda", compiled, "bf16", False), "context_parallel_size=2"),
+        ((plugin(), "cuda", compiled, "bf16", True), "an MoE model"),
+        ((plugin(fp8="hybrid"), "cuda", compiled, "bf16", False), "fp8='hybrid'.*leave fp8 unset"),
+        ((plugin(), "cuda", compiled, "fp16", False), "mixed_precision='fp16'.*use bf16"),
+        ((plugin(recompute_activations=True), "cuda", compiled, "bf16", False), "recompute_granularity='selective'"),
+        ((plugin(optimizer_cpu_offload=True, use_distributed_optimizer=True), "cuda", compiled, "bf16", False),
+         "optimizer_cpu_offload=True"),
+        ((plugin(), "cuda", {"backend": "inductor", "mode": "reduce-overhead"}, "bf16", False),
+         "'reduce-overhead'.*use the default mode"),
+    ]
+    for (p, device, kwargs, precision, moe), words in refusals:
+        with pytest.raises(MegatronPluginConfigError,
+                           match=r"other_megatron_args\['cuda_graph_scope'\]='full_iteration': not with .*" + words
+                           + r".*remove cuda_graph_impl / cuda_graph_scope" if device == "cuda" else words):
+            check_full_iteration_graph(p, device, kwargs, precision, moe=moe)
+
+
+class _ReplayOnCPU(FullIterationGraph):
+    """The bookkeeping of FullIterationGraph with a stand-in for the CUDA graph: `capture` keeps the schedule, and
+    a replay runs it again on the static batches, writing into the captured result tensors in place, as a graph's
+    replay overwrites its outputs."""
+
+    def _capture(self, micro_batches, schedule, layout, step):
+        from megatron_plugin.engine import full_graph
+
+        self._static = full_graph._static_copy(micro_batches, "cpu")
+        self._result = schedule(self._static)
+        graph = self
+
+        class Replay:
+            def replay(self):
+                new = schedule(graph._static)
+                for old, fresh in zip(graph._result, new):
+                    for k in old:
+                        old[k].copy_(fresh[k])
+
+            def reset(self):
+                pass
+
+        self._graph = Replay()
+        self._layout = layout
+        self._addresses = self._current_addresses()
+        self._captured_at = step
+        self.captures += 1
+
+
+def _schedule(calls):
+    def run(mbs):
+        calls.append([(mb["input_ids"].data_ptr(), mb["input_ids"].clone()) for mb in mbs])
+        return [{"loss": mb["input_ids"].float().mean().reshape(())} for mb in mbs]
+    return run
+
+
+def _batch(value, n=2, shape=(2, 8)):
+    return [{"input_ids": torch.full(shape, value + i), "labels": torch.full(shape, value + i), "note": None}
+            for i in range(n)]
+
+
+def test_replays_read_each_new_batch_and_return_their_own_results():
+    weight = torch.nn.Parameter(torch.zeros(4))
+    places = [weight]
+    g = _ReplayOnCPU(2, torch.device("cpu"), places=lambda: places, generators=lambda: [])
+    calls = []
+    sched = _schedule(calls)
+    outs = [g.run(_batch(10 * s), sched, step=s + 1) for s in range(5)]
+    assert (g.eager_steps, g.captures, g.replays) == (2, 1, 3)
+    # each step's result is its own batch's, also after later replays overwrote the graph's outputs
+    assert [[o["loss"].item() for o in out] for out in outs] == [[10 * s, 10 * s + 1] for s in range(5)]
+    # the replays ran on the captured buffers, refilled with each step's batch
+    assert len({c[0][0] for c in calls[2:]}) == 1 and calls[2][0][0] != calls[1][0][0]
+    assert calls[-1][1][1].eq(41).all()
+
+    # another shape after the capture: refused, naming both layouts and the fix
+    with pytest.raises(MegatronPluginConfigError, match=r"training step 6 has micro-batches 2 x \[input_ids \(2, 7\)"
+                       r".*captured at step 3 replays 2 x \[input_ids \(2, 8\).*drop_last=True"):
+        g.run(_batch(0, shape=(2, 7)), sched, step=6)
+    with pytest.raises(MegatronPluginConfigError, match=r"step 6 has micro-batches 1 x"):
+        g.run(_batch(0, n=1), sched, step=6)
+
+    # a weight that moved (offloaded and brought back): the step is captured again at its new place
+    places[0] = torch.nn.Parameter(torch.zeros(4))
+    out = g.run(_batch(100), sched, step=6)
+    assert (g.captures, g.replays) == (2, 4) and out[1]["loss"].item() == 101
+
+
+def test_batch_layout_sees_shapes_dtypes_and_other_values():
+    a = batch_layout(_batch(0))
+    assert a == batch_layout(_batch(5))  # values do not matter
+    assert a != batch_layout([{**mb, "labels": mb["labels"].int()} for mb in _batch(0)])
+    assert a != batch_layout([{**mb, "note": 1} for mb in _batch(0)])
