@@ -1062,9 +1062,9 @@ def full_iteration_graph(plugin: MegatronLMPlugin) -> Optional[int]:
 
 
 def check_full_iteration_graph(plugin: MegatronLMPlugin, device_type: str, compile_kwargs: Optional[dict],
-                               mixed_precision: str, moe: bool) -> None:
+                               mixed_precision: str, moe: bool, encoder_family: Optional[str] = None) -> None:
     """Where the full-iteration CUDA graph runs: the CUDA engine without pipelining, context parallelism, MoE,
-    FP8, fp16, recompute (LoRA: engine/lora.check_lora_run), the optimizer on the CPU or per-layer graphs. Each of those keeps state on the host
+    FP8, fp16, recompute, BERT / T5 (`encoder_family`; LoRA: engine/lora.check_lora_run), the optimizer on the CPU or per-layer graphs. Each of those keeps state on the host
     that a replay would not update, or waits for the GPU inside the step, or is untested under a capture."""
     if full_iteration_graph(plugin) is None:
         return
@@ -1078,6 +1078,8 @@ def check_full_iteration_graph(plugin: MegatronLMPlugin, device_type: str, compi
         ((plugin.context_parallel_size or 1) > 1, f"context_parallel_size={plugin.context_parallel_size}",
          "context parallelism is not tested under a capture: set context_parallel_size=1"),
         (moe, "an MoE model", "the router's token counts are read by the host each step: train it without the graph"),
+        (encoder_family is not None, f"the {encoder_family} family", "its train step is not tested under a capture "
+         "(decoder-only models are): train it without the graph"),
         (bool(plugin.fp8), f"fp8={plugin.fp8!r}", "the FP8 linears keep their scaling state on the host: leave fp8 "
          "unset"),
         (mixed_precision == "fp16", "mixed_precision='fp16'", "fp16's loss scale is a new tensor after each change, "

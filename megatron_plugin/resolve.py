@@ -269,7 +269,8 @@ def resolve(inputs: Inputs, plugin: MegatronLMPlugin, *, world_size: int, device
     fusion = resolve_fusion(plugin, device_type, compile_kwargs)
     check_tp_comm_overlap(plugin, device_type, compile_kwargs, fusion)
     check_full_iteration_graph(plugin, device_type, compile_kwargs, mixed_precision,
-                               moe=bool(family.num_experts(hf_model.config)))
+                               moe=bool(family.num_experts(hf_model.config)),
+                               encoder_family=None if family.build is None else family.name)
     micro = micro_batch_size(inputs.loaders, inputs.indexed, plugin)
     # as accelerate's resolved plugin has them after prepare (its set_training_args)
     resolved = _resolved_plugin(plugin, gradient_accumulation_fusion=fusion, megatron_dataset_flag=bool(inputs.indexed),

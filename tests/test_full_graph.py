@@ -57,6 +57,7 @@ def test_refused_where_a_replay_would_be_wrong_or_is_untested(clean_env):
         ((plugin(pp_degree=2), "cuda", compiled, "bf16", False), "pp_degree=2.*set pp_degree=1"),
         ((plugin(context_parallel_size=2), "cuda", compiled, "bf16", False), "context_parallel_size=2"),
         ((plugin(), "cuda", compiled, "bf16", True), "an MoE model"),
+        ((plugin(), "cuda", compiled, "bf16", False, "t5"), "the t5 family.*decoder-only models are"),
         ((plugin(fp8="hybrid"), "cuda", compiled, "bf16", False), "fp8='hybrid'.*leave fp8 unset"),
         ((plugin(), "cuda", compiled, "fp16", False), "mixed_precision='fp16'.*use bf16"),
         ((plugin(recompute_activations=True), "cuda", compiled, "bf16", False), "recompute_granularity='selective'"),
@@ -65,11 +66,11 @@ def test_refused_where_a_replay_would_be_wrong_or_is_untested(clean_env):
         ((plugin(), "cuda", {"backend": "inductor", "mode": "reduce-overhead"}, "bf16", False),
          "'reduce-overhead'.*use the default mode"),
     ]
-    for (p, device, kwargs, precision, moe), words in refusals:
+    for (p, device, kwargs, precision, moe, *family), words in refusals:
         with pytest.raises(MegatronPluginConfigError,
                            match=r"other_megatron_args\['cuda_graph_scope'\]='full_iteration': not with .*" + words
                            + r".*remove cuda_graph_impl / cuda_graph_scope" if device == "cuda" else words):
-            check_full_iteration_graph(p, device, kwargs, precision, moe=moe)
+            check_full_iteration_graph(p, device, kwargs, precision, moe=moe, encoder_family=(family or [None])[0])
 
 
 class _ReplayOnCPU(FullIterationGraph):
@@ -77,40 +78,41 @@ class _ReplayOnCPU(FullIterationGraph):
     a replay runs it again on the static batches, writing into the captured result tensors in place, as a graph's
     replay overwrites its outputs."""
 
-    def _capture(self, micro_batches, schedule, layout, step):
+    def _capture(self, micro_batches, schedule, step):
         from megatron_plugin.engine import full_graph
 
-        self._static = full_graph._static_copy(micro_batches, "cpu")
-        self._result = schedule(self._static)
-        graph = self
+        static = full_graph._static_copy(micro_batches, "cpu")
+        result = schedule(static)
 
         class Replay:
             def replay(self):
-                new = schedule(graph._static)
-                for old, fresh in zip(graph._result, new):
+                for old, fresh in zip(result, schedule(static)):
                     for k in old:
                         old[k].copy_(fresh[k])
 
             def reset(self):
                 pass
 
-        self._graph = Replay()
-        self._layout = layout
-        self._addresses = self._current_addresses()
-        self._captured_at = step
-        self.captures += 1
+        return full_graph.Captured(Replay(), static, result, step)
 
 
 def _schedule(calls):
     def run(mbs):
-        calls.append([(mb["input_ids"].data_ptr(), mb["input_ids"].clone()) for mb in mbs])
+        calls.append([(mb["input_ids"].data_ptr(), mb["input_ids"].clone(), vars(mb["attention_mask"]).copy())
+                      for mb in mbs])
         return [{"loss": mb["input_ids"].float().mean().reshape(())} for mb in mbs]
     return run
 
 
-def _batch(value, n=2, shape=(2, 8)):
-    return [{"input_ids": torch.full(shape, value + i), "labels": torch.full(shape, value + i), "note": None}
-            for i in range(n)]
+def _batch(value, n=2, shape=(2, 8), padded=False):
+    from megatron_plugin.layers.masks import KNOWN
+
+    out = []
+    for i in range(n):
+        mask = torch.ones(shape, dtype=torch.long)
+        setattr(mask, KNOWN, not padded)  # the batch check's fact: no padding
+        out.append({"input_ids": torch.full(shape, value + i), "attention_mask": mask, "note": None})
+    return out
 
 
 def test_replays_read_each_new_batch_and_return_their_own_results():
@@ -123,25 +125,43 @@ def test_replays_read_each_new_batch_and_return_their_own_results():
     assert (g.eager_steps, g.captures, g.replays) == (2, 1, 3)
     # each step's result is its own batch's, also after later replays overwrote the graph's outputs
     assert [[o["loss"].item() for o in out] for out in outs] == [[10 * s, 10 * s + 1] for s in range(5)]
-    # the replays ran on the captured buffers, refilled with each step's batch
+    # the replays ran on the captured buffers, refilled with each step's batch, with the batch check's facts
     assert len({c[0][0] for c in calls[2:]}) == 1 and calls[2][0][0] != calls[1][0][0]
-    assert calls[-1][1][1].eq(41).all()
+    assert calls[-1][1][1].eq(41).all() and calls[-1][1][2] == vars(_batch(0)[0]["attention_mask"])
 
-    # another shape after the capture: refused, naming both layouts and the fix
-    with pytest.raises(MegatronPluginConfigError, match=r"training step 6 has micro-batches 2 x \[input_ids \(2, 7\)"
-                       r".*captured at step 3 replays 2 x \[input_ids \(2, 8\).*drop_last=True"):
-        g.run(_batch(0, shape=(2, 7)), sched, step=6)
-    with pytest.raises(MegatronPluginConfigError, match=r"step 6 has micro-batches 1 x"):
-        g.run(_batch(0, n=1), sched, step=6)
+    # a new layout (another length; the same length with padding) runs eagerly once, is captured the next time;
+    # the first layout's graph still replays
+    for shape, padded in (((2, 7), False), ((2, 8), True)):
+        out = g.run(_batch(50, shape=shape, padded=padded), sched, step=6)
+        assert (g.eager_steps, out[1]["loss"].item()) == (3 if shape == (2, 7) else 4, 51)
+        out = g.run(_batch(60, shape=shape, padded=padded), sched, step=7)
+        assert out[1]["loss"].item() == 61 and calls[-1][0][2] == vars(_batch(0, padded=padded)[0]["attention_mask"])
+    assert g.captures == 3
+    replays = g.replays
+    assert g.run(_batch(70), sched, step=8)[0]["loss"].item() == 70 and g.replays == replays + 1
 
-    # a weight that moved (offloaded and brought back): the step is captured again at its new place
+    # a weight that moved (offloaded and brought back): the steps are captured again at its new place
     places[0] = torch.nn.Parameter(torch.zeros(4))
-    out = g.run(_batch(100), sched, step=6)
-    assert (g.captures, g.replays) == (2, 4) and out[1]["loss"].item() == 101
+    out = g.run(_batch(100), sched, step=9)
+    assert (g.captures, out[1]["loss"].item()) == (4, 101)
 
 
-def test_batch_layout_sees_shapes_dtypes_and_other_values():
+def test_layouts_beyond_the_limit_run_eagerly_and_say_so(caplog):
+    from megatron_plugin.engine.full_graph import MAX_GRAPHS
+
+    g = _ReplayOnCPU(1, torch.device("cpu"), places=lambda: [], generators=lambda: [])
+    sched = _schedule([])
+    for length in range(2, 3 + MAX_GRAPHS):
+        for _ in range(2):
+            out = g.run(_batch(length, shape=(1, length)), sched, step=0)
+            assert out[0]["loss"].item() == length
+    assert g.captures == MAX_GRAPHS and g.eager_steps == MAX_GRAPHS + 2
+    assert "more than 4 layouts" in caplog.text and "Pad batches to one length" in caplog.text
+
+
+def test_batch_layout_sees_shapes_dtypes_facts_and_other_values():
     a = batch_layout(_batch(0))
     assert a == batch_layout(_batch(5))  # values do not matter
-    assert a != batch_layout([{**mb, "labels": mb["labels"].int()} for mb in _batch(0)])
+    assert a != batch_layout([{**mb, "input_ids": mb["input_ids"].int()} for mb in _batch(0)])
     assert a != batch_layout([{**mb, "note": 1} for mb in _batch(0)])
+    assert a != batch_layout(_batch(0, padded=True))

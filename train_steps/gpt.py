@@ -60,6 +60,7 @@ class GPTTrainStep(AbstractTrainStep):
         self.return_logits = getattr(megatron_args, "return_logits", False)
         self.per_token_loss = bool(getattr(megatron_args, "calculate_per_token_loss", False))
         self.eod_ids = eod_ids(megatron_args)
+        self._eod_ids_on = {}  # device -> eod_ids there: copied once, not each micro-batch (nor inside a CUDA graph)
         self.get_batch = self.get_batch_func()
         self.loss_func = self.get_loss_func()
         self.moe = MoESupport()
@@ -87,7 +88,10 @@ class GPTTrainStep(AbstractTrainStep):
         shifted = self._shifted_labels(data).long()
         keep = shifted != IGNORE_INDEX
         if self.eod_ids is not None:
-            keep = keep & ~torch.isin(data["input_ids"], self.eod_ids.to(data["input_ids"].device))
+            device = data["input_ids"].device
+            if device not in self._eod_ids_on:
+                self._eod_ids_on[device] = self.eod_ids.to(device)
+            keep = keep & ~torch.isin(data["input_ids"], self._eod_ids_on[device])
         return shifted, keep
 
     def count_loss_tokens(self, batch):

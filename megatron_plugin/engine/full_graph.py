@@ -10,38 +10,54 @@ megatron-core has the same thing as `FullCudaGraphWrapper`; it is not used becau
 in class attributes (a second engine in the process would replay the first one's graph), also captures evaluation
 steps, and copies new batches into the captured buffers without checking their shapes.
 
-What a replay cannot do, this checks: a batch of another shape than the captured one is refused (the graph would
-read the captured shapes), and a weight or gradient buffer that moved (offloaded and brought back) has the step
-captured again at its new place.
+A graph replays the shapes and the host-side decisions (padding or not) it was captured with, so there is one
+graph per batch layout: a layout first runs eagerly (which compiles and tunes what it needs), is captured the
+next time it comes, and is replayed from then on; the graphs share one memory pool. A weight or gradient buffer
+that moved (offloaded and brought back) has the graphs captured again at the new places.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import torch
 import torch.distributed as dist
 
-from ..errors import MegatronPluginConfigError
 
 logger = logging.getLogger(__name__)
 
 SETTING = "other_megatron_args['cuda_graph_scope']"
+MAX_GRAPHS = 4  # batch layouts with a graph of their own; steps of further layouts run eagerly (with a warning)
+
+
+def _facts(t: torch.Tensor) -> Tuple:
+    """What the host knows of a tensor besides its values (the batch check's padding facts, layers/masks.KNOWN):
+    a captured step took its decisions from them."""
+    return tuple(sorted((k, repr(v)) for k, v in vars(t).items()))
 
 
 def batch_layout(micro_batches: List[dict]) -> Tuple:
-    """What a captured step depends on in its micro-batches: their number, and each value's key, shape and dtype
-    (a tensor) or the value itself (anything else, which the captured step saw once)."""
+    """What a captured step depends on in its micro-batches: their number, and each value's key, shape, dtype and
+    host-side facts (a tensor) or the value itself (anything else, which the captured step saw once)."""
     return tuple(
-        tuple((k, ("tensor", tuple(v.shape), v.dtype) if torch.is_tensor(v) else ("value", repr(v)))
+        tuple((k, ("tensor", tuple(v.shape), v.dtype, _facts(v)) if torch.is_tensor(v) else ("value", repr(v)))
               for k, v in sorted(mb.items()))
         for mb in micro_batches)
 
 
 def _static_copy(micro_batches: List[dict], device) -> List[dict]:
-    return [{k: v.detach().to(device, copy=True) if torch.is_tensor(v) else v for k, v in mb.items()}
-            for mb in micro_batches]
+    out = []
+    for mb in micro_batches:
+        static = {}
+        for k, v in mb.items():
+            if torch.is_tensor(v):
+                static[k] = v.detach().to(device, copy=True)
+                vars(static[k]).update(vars(v))
+            else:
+                static[k] = v
+        out.append(static)
+    return out
 
 
 def _clone_result(collected):
@@ -55,10 +71,18 @@ def _clone_result(collected):
     return collected
 
 
+class Captured:
+    """One batch layout's graph: the static micro-batches it reads, the outputs it writes, when it was captured."""
+
+    def __init__(self, graph, static: List[dict], result, step: int):
+        self.graph, self.static, self.result, self.step = graph, static, result, step
+
+
 class FullIterationGraph:
     """The training steps' forward and backward: eager for `warmup_steps` (compiling, lazy initialisations), then
-    captured and replayed. `places` gives the tensors whose addresses the graph holds (weights, gradient
-    buffers); `generators` the RNG states the step draws from besides the default one (megatron-core's tracker)."""
+    captured and replayed, per batch layout (module docstring). `places` gives the tensors whose addresses the
+    graphs hold (weights, gradient buffers); `generators` the RNG states the step draws from besides the default
+    one (megatron-core's tracker)."""
 
     def __init__(self, warmup_steps: int, device: torch.device, places: Callable[[], List[torch.Tensor]],
                  generators: Callable[[], List[torch.Generator]]):
@@ -69,48 +93,59 @@ class FullIterationGraph:
         self.eager_steps = 0
         self.captures = 0
         self.replays = 0
-        self._graph: Optional[torch.cuda.CUDAGraph] = None
-        self._static: Optional[List[dict]] = None
-        self._layout = None
+        self._captured: Dict[Tuple, Captured] = {}
+        self._ran_eagerly = set()  # layouts whose step has run once: compiled, ready to be captured
         self._addresses = None
-        self._result = None
-        self._captured_at = None
+        self._pool = None
+        self._warned = False
 
     def _current_addresses(self) -> Tuple[int, ...]:
         return tuple(t.data_ptr() for t in self._places())
 
+    def _eager(self, micro_batches, schedule, layout):
+        self.eager_steps += 1
+        self._ran_eagerly.add(layout)
+        return schedule(micro_batches)
+
     def run(self, micro_batches: List[dict], schedule: Callable[[List[dict]], list], step: int):
         """`schedule(micro_batches)` (the forward-backward of one training step), run eagerly, captured or
         replayed; returns what it returns, in memory of its own."""
-        if self._graph is None and self.eager_steps < self.warmup_steps:
-            self.eager_steps += 1
-            return schedule(micro_batches)
         layout = batch_layout(micro_batches)
-        if self._graph is not None and layout != self._layout:
-            raise MegatronPluginConfigError(
-                SETTING, "full_iteration",
-                f"training step {step} has micro-batches {_describe(layout)}, and the graph captured at step "
-                f"{self._captured_at} replays {_describe(self._layout)} only: give every training batch the same "
-                "shape (pad to a fixed length, drop_last=True in the DataLoader, the same number of micro-batches), "
-                "or remove cuda_graph_impl / cuda_graph_scope from other_megatron_args")
-        if self._graph is not None and self._current_addresses() != self._addresses:
-            logger.info("full-iteration CUDA graph: weights or gradient buffers moved since step %s; capturing "
-                        "the step again", self._captured_at)
-            self._graph.reset()
-            self._graph = None
-        if self._graph is None:
-            self._capture(micro_batches, schedule, layout, step)
+        if not self._captured and self.eager_steps < self.warmup_steps:
+            return self._eager(micro_batches, schedule, layout)
+        if self._captured and self._current_addresses() != self._addresses:
+            logger.info("full-iteration CUDA graph: weights or gradient buffers moved; capturing the step again")
+            for entry in self._captured.values():
+                entry.graph.reset()
+            self._captured.clear()
+        entry = self._captured.get(layout)
+        if entry is None:
+            if layout not in self._ran_eagerly:
+                return self._eager(micro_batches, schedule, layout)
+            if len(self._captured) >= MAX_GRAPHS:
+                if not self._warned:
+                    self._warned = True
+                    logger.warning(
+                        "%s='full_iteration': training batches came in more than %d layouts (shapes, micro-batch "
+                        "counts, padding); steps of further layouts run without the graph. Pad batches to one "
+                        "length (and drop_last=True) for every step to replay", SETTING, MAX_GRAPHS)
+                return self._eager(micro_batches, schedule, layout)
+            entry = self._capture(micro_batches, schedule, step)
+            self._captured[layout] = entry
+            self._addresses = self._current_addresses()
+            self.captures += 1
+            logger.info("full-iteration CUDA graph captured at training step %s (%s)", step, _describe(layout))
         else:
-            for static, mb in zip(self._static, micro_batches):
+            for static, mb in zip(entry.static, micro_batches):
                 for k, v in mb.items():
                     if torch.is_tensor(v):
                         static[k].copy_(v, non_blocking=True)
-        self._graph.replay()
+        entry.graph.replay()
         self.replays += 1
-        return _clone_result(self._result)
+        return _clone_result(entry.result)
 
-    def _capture(self, micro_batches, schedule, layout, step) -> None:
-        self._static = _static_copy(micro_batches, self.device)
+    def _capture(self, micro_batches, schedule, step) -> Captured:
+        static = _static_copy(micro_batches, self.device)
         graph = torch.cuda.CUDAGraph()
         for gen in self._generators():
             graph.register_generator_state(gen)
@@ -118,23 +153,21 @@ class FullIterationGraph:
             dist.barrier()  # every rank records its collectives in the same step
         torch.cuda.synchronize()
         try:
-            with torch.cuda.graph(graph, stream=torch.cuda.Stream(), capture_error_mode="thread_local"):
-                self._result = schedule(self._static)
+            # one pool for every layout's graph: they never run at the same time, and results are copied out
+            with torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.Stream(),
+                                  capture_error_mode="thread_local"):
+                result = schedule(static)
         except Exception as e:
             raise RuntimeError(
                 f"{SETTING}='full_iteration': capturing training step {step} as a CUDA graph failed ({e}). Every "
-                "step must run the same GPU work without waiting for it (no .item(), .cpu() or data-dependent "
-                "shapes in the train step's forward or loss); remove cuda_graph_impl / cuda_graph_scope from "
+                "step must run its GPU work without waiting for it (no .item(), .cpu() or data-dependent shapes in "
+                "the train step's forward or loss); remove cuda_graph_impl / cuda_graph_scope from "
                 "other_megatron_args to train without the graph") from e
         torch.cuda.synchronize()
         if dist.is_initialized():
             dist.barrier()
-        self._graph = graph
-        self._layout = layout
-        self._addresses = self._current_addresses()
-        self._captured_at = step
-        self.captures += 1
-        logger.info("full-iteration CUDA graph captured at training step %s", step)
+        self._pool = graph.pool() if self._pool is None else self._pool
+        return Captured(graph, static, result, step)
 
 
 def _describe(layout) -> str:
