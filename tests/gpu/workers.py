@@ -304,10 +304,15 @@ def full_graph_run(graph=True, tp=1, sp=False, distopt=False, compile=True, fami
         out = engine(**batch)
         losses.append(out.loss.item())
         norms.append(float(engine.last_grad_norm))
-        rng.append(engine.rng.state["cuda"].clone())
+        from megatron.core import tensor_parallel
+
+        tracker = tensor_parallel.get_cuda_rng_tracker().get_states()
+        rng.append([engine.rng.state["cuda"].clone()] + [v.get_state() if isinstance(v, torch.Generator) else v.clone()
+                                                          for _, v in sorted(tracker.items())])
         if save_dir and i == steps - 4:
             acc.save_state(save_dir)
             acc.load_state(save_dir)
     fg = getattr(engine, "full_graph", None)
     return {"losses": losses, "norms": norms, "captures": fg.captures if fg else 0, "replays": fg.replays if fg else 0,
-            "rng_moved": all(not torch.equal(a, b) for a, b in zip(rng, rng[1:]))}
+            # each step drew from the default stream or megatron-core's tracker (SP's dropout)
+            "rng_moved": all(any(not torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(rng, rng[1:]))}
