@@ -178,7 +178,8 @@ FIELD_STATUS = {
     "use_rotary_position_embeddings": "honoured: megatron_plugin.models.fields - must match the HF model's positions "
                                       "(default: what the model uses)",
     "other_megatron_args": "honoured: megatron_plugin.models.gpt.build_transformer_config - TransformerConfig "
-                           "fields; architecture fields must match the HF config",
+                           "fields; architecture fields must match the HF config; cuda_graph_impl='local' with "
+                           "cuda_graph_scope='full_iteration': engine/full_graph.py",
     # loss
     "calculate_per_token_loss": "honoured: megatron_plugin.engine.base - every token weighs the same over "
                                 "micro-batches and data-parallel ranks (default False, Megatron's)",
@@ -501,7 +502,9 @@ class MegatronLMPlugin:
     custom_get_batch_function: Optional[Callable] = field(default=None, metadata={"help": "get_batch(data_iterator) for the train step"})
     custom_loss_function: Optional[Callable] = field(default=None, metadata={"help": "loss_func(..., output_tensor) for the train step"})
     other_megatron_args: dict = field(
-        default_factory=dict, metadata={"help": "extra TransformerConfig fields, e.g. {'attention_dropout': 0.0}"}
+        default_factory=dict, metadata={"help": "extra TransformerConfig fields, e.g. {'attention_dropout': 0.0}; "
+                                        "{'cuda_graph_impl': 'local', 'cuda_graph_scope': 'full_iteration'} replays "
+                                        "each training step's forward and backward as one CUDA graph"}
     )
 
     def __post_init__(self):
