@@ -9,18 +9,10 @@ from megatron_plugin import MegatronLMPlugin
 from megatron_plugin.engine.full_graph import FullIterationGraph, batch_layout
 from megatron_plugin.errors import MegatronPluginConfigError
 from megatron_plugin.plugin import check_full_iteration_graph, full_iteration_graph
+from tests.test_plugin import clean_env  # noqa: F401  (the fixture: no MEGATRON_LM_* variables)
 
 FULL = {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration"}
 
-
-@pytest.fixture
-def clean_env(monkeypatch):
-    import os
-
-    for key in list(os.environ):
-        if key.startswith("MEGATRON_LM_"):
-            monkeypatch.delenv(key)
-    return monkeypatch
 
 
 def test_megatron_names_turn_it_on_with_megatrons_warmup(clean_env):
