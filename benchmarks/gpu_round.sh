@@ -32,7 +32,11 @@
 #               launches a graph per layer instead of its kernels, so a slow host stretch need not reach the GPU  ~8 min
 #   two_gpu_rows  (nvidia-h200-x2) check 5 at GPT-2 774M: one GPU; DP = 2 with the distributed optimizer at the
 #               same global batch (16: each GPU half the one-GPU micro-batch) and at the same per-GPU batch (32);
-#               TP = 2 + SP                                                                        ~6 min
+#               TP = 2 + SP, without and with the full-iteration CUDA graph                           ~8 min
+#   two_gpu_full_graph (nvidia-h200-x2) the full-iteration graph's GPU tests not yet run (one-GPU dropout, Llama at
+#               TP = 2 + SP, DP = 2 with the distributed optimizer), then the DP = 2 row with it          ~9 min
+#   full_graph_hf  (one H200) check 3 where the host counted: 350M and 124M, the plugin with the full-iteration
+#               graph beside HF + compile                                                          ~8 min
 #   two_gpu_dp    (nvidia-h200-x2) where DP = 2 at global 16 loses to 2x one GPU, now that its step is GPU-bound: one GPU
 #               at 8 sequences (each DP rank's share: the ceiling), then DP = 2 with NCCL held to 16 and to 8 CTAs
 #               (NCCL_MAX_CTAS; its 24 channels take SMs from the backward's GEMMs while the gradients reduce)  ~6 min
@@ -54,7 +58,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -114,9 +118,21 @@ case "$stage" in
     python benchmarks/fp8_parity.py --table "$out/parity" | tee -a "$out/fp8_parity.log"
     rm -rf "$out/parity/data" "$out/docstrings.txt" ;;
   two_gpu_rows)
-    for arm in "" "--nproc 2 --distopt" "--nproc 2 --distopt --global_batch 32" "--nproc 2 --tp 2 --sp"; do
+    for arm in "" "--nproc 2 --distopt" "--nproc 2 --distopt --global_batch 32" "--nproc 2 --tp 2 --sp" \
+               "--nproc 2 --tp 2 --sp --full_graph"; do
       $T --sizes 774m --modes megatron_compile --steps 10 --warmup 3 $arm
     done 2>&1 | tee "$out/two_gpu_rows.log" ;;
+  two_gpu_full_graph)
+    # the full-iteration graph's cases not yet run on GPUs, then DP = 2 with it
+    python -m pytest -v -rs --durations 0 tests/gpu/test_full_graph_gpu.py -k "dropout or llama_tp2 or dp2" 2>&1 \
+      | tee "$out/two_gpu_full_graph.log"
+    $T --sizes 774m --modes megatron_compile --steps 10 --warmup 3 --nproc 2 --distopt --full_graph 2>&1 \
+      | tee -a "$out/two_gpu_full_graph.log" ;;
+  full_graph_hf)
+    # check 3 where the host counted (350M, 124M): the plugin with the full-iteration graph beside HF + compile
+    for size in 350m 124m; do
+      $T --sizes $size --modes megatron_compile,hf_compile --full_graph
+    done 2>&1 | tee "$out/full_graph_hf.log" ;;
   two_gpu_dp)
     L="--sizes 774m --modes megatron_compile --steps 10 --warmup 3"
     { $T $L --global_batch 8
