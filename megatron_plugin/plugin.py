@@ -1040,11 +1040,16 @@ def full_iteration_graph(plugin: MegatronLMPlugin) -> Optional[int]:
                 f"deprecated in megatron-core (it means {new}): pass other_megatron_args={{'cuda_graph_impl': "
                 "'local', 'cuda_graph_scope': 'full_iteration'}} for the whole training step as one CUDA graph")
     impl = args.get("cuda_graph_impl", "none")
-    if impl in ("none", None):
-        return None
     scope = args.get("cuda_graph_scope", "full")
-    scopes = [s.name if hasattr(s, "name") else str(s) for s in (scope if isinstance(scope, (list, tuple)) else
-                                                                   str(scope).split(","))]
+    items = scope if isinstance(scope, (list, tuple)) else [scope]  # names, comma-joined names or CudaGraphScope
+    scopes = [n for s in items for n in (s.name.split(",") if hasattr(s, "name") else str(s).split(","))]
+    if impl in ("none", None):
+        if "full_iteration" in scopes:  # megatron-core would ignore the scope: say so rather than train without
+            raise MegatronPluginConfigError(
+                "other_megatron_args['cuda_graph_scope']", scope,
+                "takes effect with cuda_graph_impl='local': add other_megatron_args['cuda_graph_impl']='local' for "
+                "the full-iteration CUDA graph, or remove cuda_graph_scope")
+        return None
     per_layer = ("for CUDA graphs per layer use torch.compile's mode 'reduce-overhead' (accelerate's dynamo "
                  "config); for the whole training step pass cuda_graph_impl='local' with "
                  "cuda_graph_scope='full_iteration'")
@@ -1067,8 +1072,10 @@ def full_iteration_graph(plugin: MegatronLMPlugin) -> Optional[int]:
 def check_full_iteration_graph(plugin: MegatronLMPlugin, device_type: str, compile_kwargs: Optional[dict],
                                mixed_precision: str, moe: bool, encoder_family: Optional[str] = None) -> None:
     """Where the full-iteration CUDA graph runs: the CUDA engine without pipelining, context parallelism, MoE,
-    FP8, fp16, recompute, BERT / T5 (`encoder_family`; LoRA: engine/lora.check_lora_run), the optimizer on the CPU or per-layer graphs. Each of those keeps state on the host
-    that a replay would not update, or waits for the GPU inside the step, or is untested under a capture."""
+    FP8, fp16, recompute, BERT / T5 (`encoder_family`), per-token loss, tp_comm_overlap, the optimizer on the CPU or
+    per-layer graphs (LoRA: engine/lora.check_lora_run; post-training steps: resolve.py). Each of those keeps state
+    on the host that a replay would not update, or waits for the GPU inside the step, or is untested under a
+    capture."""
     if full_iteration_graph(plugin) is None:
         return
     setting, value = "other_megatron_args['cuda_graph_scope']", "full_iteration"
@@ -1087,6 +1094,10 @@ def check_full_iteration_graph(plugin: MegatronLMPlugin, device_type: str, compi
          "unset"),
         (mixed_precision == "fp16", "mixed_precision='fp16'", "fp16's loss scale is a new tensor after each change, "
          "which a replay would not read: use bf16"),
+        (bool(plugin.calculate_per_token_loss), "calculate_per_token_loss=True", "megatron-core's finalize_model_grads "
+         "reads the step's token count on the host: leave it off"),
+        (bool((plugin.other_megatron_args or {}).get("tp_comm_overlap")), "other_megatron_args['tp_comm_overlap']",
+         "its symmetric-memory workspace is not tested under a capture: remove it"),
         (plugin.recompute_granularity is not None, f"recompute_granularity={plugin.recompute_granularity!r}",
          "recomputation is not tested under a capture: turn it off"),
         (bool(plugin.optimizer_cpu_offload), "optimizer_cpu_offload=True", "the optimizer's copies to the CPU are not "

@@ -37,7 +37,7 @@ from .fs import check_writable
 from .models import ModelFamily, check_model, check_moe_training
 from .models.convert import mcore_to_hf_sources
 from .plugin import (MegatronLMPlugin, check_compile, check_cpu_support, check_fp8, check_mixed_precision,
-                     check_tp_comm_overlap, check_full_iteration_graph,
+                     check_tp_comm_overlap, check_full_iteration_graph, full_iteration_graph,
                      resolve_train_step_class, uses_cuda_graphs)
 
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -237,6 +237,18 @@ def _resolved_plugin(plugin: MegatronLMPlugin, **values) -> MegatronLMPlugin:
     return out
 
 
+def check_graph_step(plugin: MegatronLMPlugin, step_class: type) -> None:
+    """The post-training steps read coefficients that scripts change as they train (an adaptive KL, a schedule of
+    beta): a full-iteration CUDA graph would replay the values it was captured with, so they are refused with it."""
+    post_training = (train_steps.PolicyGradientTrainStep, train_steps.DPOTrainStep)
+    if full_iteration_graph(plugin) is not None and issubclass(step_class, post_training):
+        raise MegatronPluginConfigError(
+            "other_megatron_args['cuda_graph_scope']", "full_iteration",
+            f"not with {step_class.__name__}: a replay keeps the coefficients it was captured with (kl_coef, beta, "
+            "clip ranges, ...), which scripts change as they train; remove cuda_graph_impl / cuda_graph_scope from "
+            "other_megatron_args for post-training")
+
+
 def resolve(inputs: Inputs, plugin: MegatronLMPlugin, *, world_size: int, device_type: str,
             mixed_precision: str, dynamo_plugin=None, project_dir: Optional[str] = None) -> RunSpec:
     """Check and decide everything one `prepare` needs. No collectives."""
@@ -285,6 +297,7 @@ def resolve(inputs: Inputs, plugin: MegatronLMPlugin, *, world_size: int, device
     data_sizes = inputs.indexed[0].check_for(hf_model.config, family, resolved, inputs.scheduler,
                                              len(inputs.indexed)) if inputs.indexed else None
     step_class = with_custom_functions(resolve_step(resolved, family, variant, hf_model), resolved)
+    check_graph_step(resolved, step_class)
     if plugin.custom_model_provider_function is None:
         # the optimizer holds every trainable parameter (applied per chunk once they exist)
         trainable_flags(hf_model, inputs.optimizer,

@@ -21,6 +21,19 @@ def test_megatron_names_turn_it_on_with_megatrons_warmup(clean_env):
     assert full_iteration_graph(MegatronLMPlugin(other_megatron_args=FULL)) == 3  # TransformerConfig's default
     assert full_iteration_graph(MegatronLMPlugin(other_megatron_args={**FULL, "cuda_graph_warmup_steps": 1})) == 1
     assert full_iteration_graph(MegatronLMPlugin(other_megatron_args={**FULL, "cuda_graph_scope": ["full_iteration"]})) == 3
+    from megatron.core.transformer.enums import CudaGraphScope
+
+    for scope in (CudaGraphScope.full_iteration, [CudaGraphScope.full_iteration]):  # as TransformerConfig takes it
+        assert full_iteration_graph(MegatronLMPlugin(other_megatron_args={**FULL, "cuda_graph_scope": scope})) == 3
+
+
+def test_the_graphs_settings_stay_out_of_transformer_config():
+    """With cuda_graph_impl='local' megatron-core's blocks would build per-layer graph managers (which set a new CUDA
+    stream for the whole process): the engine reads the settings, the config never sees them."""
+    from megatron_plugin.models.gpt import transformer_config_overrides
+
+    args = {**FULL, "cuda_graph_warmup_steps": 2, "attention_dropout": 0.0}
+    assert transformer_config_overrides(args) == {"attention_dropout": 0.0}
 
 
 @pytest.mark.parametrize("args, setting, words", [
@@ -30,6 +43,7 @@ def test_megatron_names_turn_it_on_with_megatrons_warmup(clean_env):
     ({"cuda_graph_impl": "local", "cuda_graph_scope": "attn,mlp"}, "cuda_graph_scope", "only 'full_iteration'"),
     ({**FULL, "cuda_graph_warmup_steps": 0}, "cuda_graph_warmup_steps", "int >= 1"),
     ({"enable_cuda_graph": True}, "enable_cuda_graph", "deprecated.*'full_iteration'"),
+    ({"cuda_graph_scope": "full_iteration"}, "cuda_graph_scope", "takes effect with cuda_graph_impl='local'"),
 ])
 def test_other_cuda_graph_settings_refused_at_the_plugin(clean_env, args, setting, words):
     with pytest.raises(MegatronPluginConfigError, match=rf"other_megatron_args\['{setting}'\].*{words}"):
@@ -53,6 +67,10 @@ def test_refused_where_a_replay_would_be_wrong_or_is_untested(clean_env):
         ((plugin(fp8="hybrid"), "cuda", compiled, "bf16", False), "fp8='hybrid'.*leave fp8 unset"),
         ((plugin(), "cuda", compiled, "fp16", False), "mixed_precision='fp16'.*use bf16"),
         ((plugin(recompute_activations=True), "cuda", compiled, "bf16", False), "recompute_granularity='selective'"),
+        ((plugin(calculate_per_token_loss=True), "cuda", compiled, "bf16", False),
+         "calculate_per_token_loss=True.*token count on the host"),
+        ((MegatronLMPlugin(tp_degree=2, sequence_parallelism=True, other_megatron_args={**FULL, "tp_comm_overlap": True}),
+          "cuda", compiled, "bf16", False), r"other_megatron_args\['tp_comm_overlap'\].*symmetric-memory workspace"),
         ((plugin(optimizer_cpu_offload=True, use_distributed_optimizer=True), "cuda", compiled, "bf16", False),
          "optimizer_cpu_offload=True"),
         ((plugin(), "cuda", {"backend": "inductor", "mode": "reduce-overhead"}, "bf16", False),
@@ -85,7 +103,7 @@ class _ReplayOnCPU(FullIterationGraph):
             def reset(self):
                 pass
 
-        return full_graph.Captured(Replay(), static, result, step)
+        return full_graph.Captured(Replay(), static, result, step, held=[])
 
 
 def _schedule(calls):
@@ -157,3 +175,34 @@ def test_batch_layout_sees_shapes_dtypes_facts_and_other_values():
     assert a != batch_layout([{**mb, "input_ids": mb["input_ids"].int()} for mb in _batch(0)])
     assert a != batch_layout([{**mb, "note": 1} for mb in _batch(0)])
     assert a != batch_layout(_batch(0, padded=True))
+
+
+def test_post_training_steps_refused_with_the_graph(clean_env):
+    """Their coefficients change as scripts train; a replay would keep the captured ones."""
+    import train_steps
+    from megatron_plugin.resolve import check_graph_step
+
+    graph = MegatronLMPlugin(other_megatron_args=FULL)
+    check_graph_step(graph, train_steps.GPTTrainStep)
+    check_graph_step(MegatronLMPlugin(), train_steps.DPOTrainStep)
+    for step in (train_steps.DPOTrainStep, train_steps.PolicyGradientTrainStep):
+        with pytest.raises(MegatronPluginConfigError, match=rf"'full_iteration': not with {step.__name__}: .*kl_coef, beta"):
+            check_graph_step(graph, step)
+
+
+def test_a_graph_holds_megatron_cores_shared_buffer(monkeypatch):
+    """megatron-core's SP linears gather into one shared buffer that a larger request replaces: each captured graph
+    holds the one it writes into, so that memory is not handed to anything else while replays write there."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import GlobalMemoryBuffer
+
+    from megatron_plugin.engine.full_graph import _buffers_in_use
+
+    monkeypatch.setattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    assert _buffers_in_use() == []
+    buffer = GlobalMemoryBuffer()
+    buffer.buffer[("mpu", torch.bfloat16)] = first = torch.empty(8, dtype=torch.bfloat16)
+    monkeypatch.setattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", buffer)
+    held = _buffers_in_use()
+    buffer.buffer[("mpu", torch.bfloat16)] = torch.empty(16, dtype=torch.bfloat16)  # a larger request replaced it
+    assert len(held) == 1 and held[0] is first

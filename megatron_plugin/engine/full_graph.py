@@ -74,8 +74,9 @@ def _clone_result(collected):
 class Captured:
     """One batch layout's graph: the static micro-batches it reads, the outputs it writes, when it was captured."""
 
-    def __init__(self, graph, static: List[dict], result, step: int):
+    def __init__(self, graph, static: List[dict], result, step: int, held: List[torch.Tensor]):
         self.graph, self.static, self.result, self.step = graph, static, result, step
+        self.held = held  # buffers made outside the graph that it writes into (see _buffers_in_use)
 
 
 class FullIterationGraph:
@@ -118,6 +119,7 @@ class FullIterationGraph:
             for entry in self._captured.values():
                 entry.graph.reset()
             self._captured.clear()
+            self._pool = None  # the graphs that used it are gone: the next capture starts a pool of its own
         entry = self._captured.get(layout)
         if entry is None:
             if layout not in self._ran_eagerly:
@@ -160,14 +162,25 @@ class FullIterationGraph:
         except Exception as e:
             raise RuntimeError(
                 f"{SETTING}='full_iteration': capturing training step {step} as a CUDA graph failed ({e}). Every "
-                "step must run its GPU work without waiting for it (no .item(), .cpu() or data-dependent shapes in "
-                "the train step's forward or loss); remove cuda_graph_impl / cuda_graph_scope from "
+                "step must run its GPU work without the host waiting for it: no .item(), .cpu(), .tolist() or "
+                "data-dependent shapes in the forward and backward (the train step's forward and loss, a custom "
+                "get_batch or loss function, hooks); remove cuda_graph_impl / cuda_graph_scope from "
                 "other_megatron_args to train without the graph") from e
         torch.cuda.synchronize()
         if dist.is_initialized():
             dist.barrier()
         self._pool = graph.pool() if self._pool is None else self._pool
-        return Captured(graph, static, result, step)
+        return Captured(graph, static, result, step, held=_buffers_in_use())
+
+
+def _buffers_in_use() -> List[torch.Tensor]:
+    """megatron-core's shared buffer (its SP linears gather into it): the graph writes into the one it saw, and a
+    later larger request (an eager step of a longer layout, an evaluation) replaces it; held here, the old one is
+    not handed to anything else while the graph still writes into it."""
+    from megatron.core import parallel_state
+
+    buffer = getattr(parallel_state, "_GLOBAL_MEMORY_BUFFER", None)
+    return list(getattr(buffer, "buffer", {}).values())
 
 
 def _describe(layout) -> str:

@@ -86,6 +86,10 @@ class MegatronGPT(HFParityMixin, GPTModel):
 
 # other_megatron_args keys that are not TransformerConfig fields but that we know what to do with
 NON_CONFIG_ARGS = {"vocab_file", "merge_file", "tokenizer_path"}
+# TransformerConfig fields that the engine reads (engine/full_graph.py) and that stay out of the config: there
+# cuda_graph_impl='local' would have megatron-core build its per-layer graph managers, which set a new CUDA stream
+# for the whole process while the model is built
+ENGINE_ARGS = {"cuda_graph_impl", "cuda_graph_scope", "cuda_graph_warmup_steps"}
 
 
 def transformer_config_overrides(other_megatron_args: dict, architecture: Optional[dict] = None) -> dict:
@@ -108,7 +112,7 @@ def transformer_config_overrides(other_megatron_args: dict, architecture: Option
                 f"the HF model's config gives {architecture[key]!r}, and the model is built from it to carry its "
                 "weights: remove the key, or change the HF config",
             )
-    return {k: v for k, v in other_megatron_args.items() if k in known}
+    return {k: v for k, v in other_megatron_args.items() if k in known and k not in ENGINE_ARGS}
 
 
 # architecture fields a user may change without changing the weights' shapes
