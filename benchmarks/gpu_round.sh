@@ -33,8 +33,10 @@
 #   two_gpu_rows  (nvidia-h200-x2) check 5 at GPT-2 774M: one GPU; DP = 2 with the distributed optimizer at the
 #               same global batch (16: each GPU half the one-GPU micro-batch) and at the same per-GPU batch (32);
 #               TP = 2 + SP, without and with the full-iteration CUDA graph                           ~8 min
-#   two_gpu_full_graph (nvidia-h200-x2) the full-iteration graph's GPU tests not yet run (one-GPU dropout, Llama at
-#               TP = 2 + SP, DP = 2 with the distributed optimizer), then the DP = 2 row with it          ~9 min
+#   full_graph_tests  tests/gpu/test_full_graph_gpu.py's one-GPU cases (GPT-2 compiled, eager, with dropout; Llama
+#               compiled), each trained with and without the full-iteration graph                 ~9 min
+#   two_gpu_full_graph (nvidia-h200-x2) its two-GPU cases (GPT-2 TP = 2 + SP with dropout, Llama TP = 2 + SP, DP = 2
+#               with the distributed optimizer), then the DP = 2 row with the graph               ~9 min
 #   full_graph_hf  (one H200) check 3 where the host counted: 350M and 124M, the plugin with the full-iteration
 #               graph beside HF + compile                                                          ~8 min
 #   two_gpu_dp    (nvidia-h200-x2) where DP = 2 at global 16 loses to 2x one GPU, now that its step is GPU-bound: one GPU
@@ -58,7 +60,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -122,9 +124,13 @@ case "$stage" in
                "--nproc 2 --tp 2 --sp --full_graph"; do
       $T --sizes 774m --modes megatron_compile --steps 10 --warmup 3 $arm
     done 2>&1 | tee "$out/two_gpu_rows.log" ;;
+  full_graph_tests)
+    # the full-iteration graph's one-GPU cases, each with and without the graph
+    python -m pytest -v -rs --durations 0 tests/gpu/test_full_graph_gpu.py -k "not 2gpu" 2>&1 \
+      | tee "$out/full_graph_tests.log" ;;
   two_gpu_full_graph)
-    # the full-iteration graph's cases not yet run on GPUs, then DP = 2 with it
-    python -m pytest -v -rs --durations 0 tests/gpu/test_full_graph_gpu.py -k "dropout or llama_tp2 or dp2" 2>&1 \
+    # the full-iteration graph's two-GPU cases, then DP = 2 with it
+    python -m pytest -v -rs --durations 0 tests/gpu/test_full_graph_gpu.py -k "2gpu" 2>&1 \
       | tee "$out/two_gpu_full_graph.log"
     $T --sizes 774m --modes megatron_compile --steps 10 --warmup 3 --nproc 2 --distopt --full_graph 2>&1 \
       | tee -a "$out/two_gpu_full_graph.log" ;;
