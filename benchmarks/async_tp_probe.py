@@ -7,6 +7,8 @@ GPT-2 774M layer (hidden 1280, 16 x 1024 tokens, TP = 2) two ways, one process a
   runs), against torch's `fused_all_gather_matmul` (symmetric memory: the gather in chunks, each chunk's GEMM
   as soon as it lands);
 - row-parallel (proj, fc2): the GEMM, then the reduce-scatter, against `fused_matmul_reduce_scatter`;
+- SP's all-gather and reduce-scatter alone: NCCL against symmetric memory's copy-engine ops
+  (`_low_contention_all_gather` / `_low_contention_reduce_scatter`);
 - column-parallel backward (qkv, fc1): the input's re-gather for the weight gradient waited for before the input
   gradient's GEMM (what the compiled op did until 2026-11-29), against issued asynchronously and waited for after
   that GEMM (what it and megatron-core's linear do now), with no symmetric memory.
@@ -94,8 +96,41 @@ def main():
 
         diff = max((a - b).abs().max().item() for a, b in zip(waited(), overlapped()))
         rows.append((f"{name} backward: gather + dgrad", timed(waited), timed(overlapped), diff))
+    # SP's collectives alone: NCCL's kernels against symmetric memory's low-contention ops, which pull the peer's
+    # part with the copy engines (no SMs; the input already in symmetric memory, as an op built on them would keep
+    # it). With the host out of the TP = 2 + SP step, NCCL's collectives are 47 of its 138 ms (BENCHMARKS.md): if the
+    # copy engines move 42 MiB in half NCCL's time, the step gets near 1.6x one GPU without any overlap.
+    m = n // world
+    shard = symm_mem.empty(m, h, device="cuda", dtype=torch.bfloat16)
+    shard.copy_(rand(m, h))
+    symm_mem.rendezvous(shard, group.group_name)
+    full = symm_mem.empty(n, h, device="cuda", dtype=torch.bfloat16)
+    full.copy_(rand(n, h))
+    symm_mem.rendezvous(full, group.group_name)
+
+    def nccl_gather():
+        whole = torch.empty(n, h, device="cuda", dtype=torch.bfloat16)
+        dist.all_gather_into_tensor(whole, shard)
+        return whole
+
+    def nccl_scatter():
+        part = torch.empty(m, h, device="cuda", dtype=torch.bfloat16)
+        dist.reduce_scatter_tensor(part, full)
+        return part
+
+    def ce_gather():
+        return torch.ops.symm_mem._low_contention_all_gather(shard, group.group_name)
+
+    def ce_scatter():
+        return torch.ops.symm_mem._low_contention_reduce_scatter(full, "sum", group.group_name)
+
+    rows.append(("all-gather alone: NCCL | CE", timed(nccl_gather), timed(ce_gather),
+                 (nccl_gather() - ce_gather()).abs().max().item()))
+    rows.append(("reduce-scatter alone: NCCL | CE", timed(nccl_scatter), timed(ce_scatter),
+                 (nccl_scatter().float() - ce_scatter().float()).abs().max().item()))
     if rank == 0:
-        print(f"hidden {h}, {n} tokens, TP = {world}, bf16 (apart: one after the other; together: fused or overlapped)")
+        print(f"hidden {h}, {n} tokens, TP = {world}, bf16 (apart: one after the other; together: fused or overlapped; "
+              "for the collectives alone, apart = NCCL, together = symmetric memory's copy-engine pulls)")
         for label, t_plain, t_fused, diff in rows:
             print(f"{label:32s} apart {t_plain:7.3f} ms  together {t_fused:7.3f} ms  ({t_plain / t_fused:4.2f}x)  "
                   f"max |diff| {diff:.2e}")

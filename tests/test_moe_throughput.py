@@ -182,3 +182,19 @@ def test_profile_counts_each_nccl_kernel_once(capsys):
     out = capsys.readouterr().out
     assert "kernels 4.0 ms (80% busy), 2 kernels/step" in out, out
     assert "3.00 ms   75.0%  communication" in out, out
+
+
+def test_full_graph_flag_captures_in_the_last_warm_up_step():
+    """train_throughput/profile_step --full_graph: Megatron's names in other_megatron_args, and a warm-up one step
+    shorter than the script's, so that the capture (seconds) happens in a warm-up step, never in a timed one; the
+    plugin takes the result."""
+    from train_throughput import megatron_args, parser
+
+    from megatron_plugin import MegatronLMPlugin
+    from megatron_plugin.plugin import full_iteration_graph
+
+    assert megatron_args(parser("x").parse_args([])) == {}
+    args = megatron_args(parser("x").parse_args(["--full_graph", "--warmup", "3"]))
+    assert args == {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration", "cuda_graph_warmup_steps": 2}
+    assert full_iteration_graph(MegatronLMPlugin(other_megatron_args=args)) == 2
+    assert megatron_args(parser("x").parse_args(["--full_graph", "--warmup", "1"]))["cuda_graph_warmup_steps"] == 1
