@@ -1025,6 +1025,10 @@ def check_tp_comm_overlap(plugin: MegatronLMPlugin, device_type: str, compile_kw
                 f"setting: remove it (its default is {defaults[key]!r})")
 
 
+GRAPH_SETTING = "other_megatron_args['cuda_graph_scope']"  # how errors name the full-iteration graph
+REMOVE_GRAPH = "remove cuda_graph_impl / cuda_graph_scope from other_megatron_args"
+
+
 def full_iteration_graph(plugin: MegatronLMPlugin) -> Optional[int]:
     """The eager training steps before Megatron's full-iteration CUDA graph is captured (TransformerConfig's
     `cuda_graph_warmup_steps`, default 3), or None without the graph. Megatron-LM's names, in other_megatron_args:
@@ -1078,10 +1082,9 @@ def check_full_iteration_graph(plugin: MegatronLMPlugin, device_type: str, compi
     capture."""
     if full_iteration_graph(plugin) is None:
         return
-    setting, value = "other_megatron_args['cuda_graph_scope']", "full_iteration"
-    remove = "or remove cuda_graph_impl / cuda_graph_scope from other_megatron_args"
     if device_type != "cuda":
-        raise MegatronPluginConfigError(setting, value, f"a CUDA graph needs the CUDA engine: {remove} for a CPU run")
+        raise MegatronPluginConfigError(GRAPH_SETTING, "full_iteration",
+                                        f"a CUDA graph needs the CUDA engine: {REMOVE_GRAPH} for a CPU run")
     refusals = [
         (plugin.pp_degree > 1, f"pp_degree={plugin.pp_degree}", "pipeline schedules' point-to-point sends are not "
          "tested under a capture: set pp_degree=1"),
@@ -1107,7 +1110,13 @@ def check_full_iteration_graph(plugin: MegatronLMPlugin, device_type: str, compi
     ]
     for refused, what, fix in refusals:
         if refused:
-            raise MegatronPluginConfigError(setting, value, f"not with {what}: {fix}, {remove}")
+            refuse_with_full_iteration_graph(plugin, what, fix)
+
+
+def refuse_with_full_iteration_graph(plugin: MegatronLMPlugin, what: str, fix: str) -> None:
+    """Raises, where the plugin asks for the full-iteration CUDA graph, that it does not run with `what`."""
+    if full_iteration_graph(plugin) is not None:
+        raise MegatronPluginConfigError(GRAPH_SETTING, "full_iteration", f"not with {what}: {fix}, or {REMOVE_GRAPH}")
 
 
 def uses_cuda_graphs(compile_kwargs: Optional[dict]) -> bool:

@@ -37,7 +37,7 @@ from .fs import check_writable
 from .models import ModelFamily, check_model, check_moe_training
 from .models.convert import mcore_to_hf_sources
 from .plugin import (MegatronLMPlugin, check_compile, check_cpu_support, check_fp8, check_mixed_precision,
-                     check_tp_comm_overlap, check_full_iteration_graph, full_iteration_graph,
+                     check_tp_comm_overlap, check_full_iteration_graph, refuse_with_full_iteration_graph,
                      resolve_train_step_class, uses_cuda_graphs)
 
 MIXED_PRECISION = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -240,13 +240,10 @@ def _resolved_plugin(plugin: MegatronLMPlugin, **values) -> MegatronLMPlugin:
 def check_graph_step(plugin: MegatronLMPlugin, step_class: type) -> None:
     """The post-training steps read coefficients that scripts change as they train (an adaptive KL, a schedule of
     beta): a full-iteration CUDA graph would replay the values it was captured with, so they are refused with it."""
-    post_training = (train_steps.PolicyGradientTrainStep, train_steps.DPOTrainStep)
-    if full_iteration_graph(plugin) is not None and issubclass(step_class, post_training):
-        raise MegatronPluginConfigError(
-            "other_megatron_args['cuda_graph_scope']", "full_iteration",
-            f"not with {step_class.__name__}: a replay keeps the coefficients it was captured with (kl_coef, beta, "
-            "clip ranges, ...), which scripts change as they train; remove cuda_graph_impl / cuda_graph_scope from "
-            "other_megatron_args for post-training")
+    if issubclass(step_class, (train_steps.PolicyGradientTrainStep, train_steps.DPOTrainStep)):
+        refuse_with_full_iteration_graph(
+            plugin, step_class.__name__, "a replay keeps the coefficients it was captured with (kl_coef, beta, clip "
+            "ranges, ...), which scripts change as they train: train post-training steps without the graph")
 
 
 def resolve(inputs: Inputs, plugin: MegatronLMPlugin, *, world_size: int, device_type: str,

@@ -24,10 +24,10 @@ from typing import Callable, Dict, List, Tuple
 import torch
 import torch.distributed as dist
 
+from ..plugin import GRAPH_SETTING as SETTING, REMOVE_GRAPH
 
 logger = logging.getLogger(__name__)
 
-SETTING = "other_megatron_args['cuda_graph_scope']"
 MAX_GRAPHS = 4  # batch layouts with a graph of their own; steps of further layouts run eagerly (with a warning)
 
 
@@ -164,8 +164,7 @@ class FullIterationGraph:
                 f"{SETTING}='full_iteration': capturing training step {step} as a CUDA graph failed ({e}). Every "
                 "step must run its GPU work without the host waiting for it: no .item(), .cpu(), .tolist() or "
                 "data-dependent shapes in the forward and backward (the train step's forward and loss, a custom "
-                "get_batch or loss function, hooks); remove cuda_graph_impl / cuda_graph_scope from "
-                "other_megatron_args to train without the graph") from e
+                f"get_batch or loss function, hooks); {REMOVE_GRAPH} to train without the graph") from e
         torch.cuda.synchronize()
         if dist.is_initialized():
             dist.barrier()

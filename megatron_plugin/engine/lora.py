@@ -82,13 +82,10 @@ def check_lora_run(run: LoraRun, plugin, optimizer) -> None:
             "custom_model_provider_function unset, or pass the model without peft",
         )
     from ..models.lora import check_lora_layout
-    from ..plugin import full_iteration_graph
+    from ..plugin import refuse_with_full_iteration_graph
 
-    if full_iteration_graph(plugin) is not None:
-        raise MegatronPluginConfigError(
-            "other_megatron_args['cuda_graph_scope']", "full_iteration",
-            "not with a PeftModel: LoRA is not tested under a CUDA graph's capture; train the adapters without it "
-            "(remove cuda_graph_impl / cuda_graph_scope from other_megatron_args)")
+    refuse_with_full_iteration_graph(plugin, "a PeftModel", "LoRA is not tested under a CUDA graph's capture: train "
+                                     "the adapters without the graph")
     check_lora_layout(run.spec, run.hf_model.config, plugin.tp_degree)
     in_optimizer = {id(p) for g in optimizer.param_groups for p in g["params"]}
     params = dict(run.peft_model.named_parameters())

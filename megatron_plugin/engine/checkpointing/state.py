@@ -16,6 +16,7 @@ from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple
 import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
+from megatron.core.tensor_parallel.random import convert_cuda_rng_state
 
 from ...layout import Layout, current_layout
 from .layout import chunk_key, is_expert_key
@@ -128,7 +129,7 @@ class TrainingState:
         if torch.cuda.is_available():
             state["cuda"] = torch.cuda.get_rng_state()
             # as tensors, whichever kind the tracker is: a checkpoint loads into a run with or without CUDA graphs
-            state["tracker"] = {k: v.get_state() if isinstance(v, torch.Generator) else v
+            state["tracker"] = {k: convert_cuda_rng_state(v, to_graphable=False)
                                 for k, v in tensor_parallel.get_cuda_rng_tracker().get_states().items()}
         return state
 
@@ -143,14 +144,14 @@ class TrainingState:
         if torch.cuda.is_available() and "cuda" in state:
             torch.cuda.set_rng_state(state["cuda"])
             tracker = tensor_parallel.get_cuda_rng_tracker()
+            saved = {k: convert_cuda_rng_state(v, to_graphable=False) for k, v in state["tracker"].items()}
             if getattr(tracker, "use_cudagraphable_rng", False):
                 # into the generators themselves: a captured CUDA graph holds them (engine/full_graph.py)
-                for name, saved in state["tracker"].items():
-                    tracker.get_states()[name].set_state(
-                        saved.get_state() if isinstance(saved, torch.Generator) else saved)
+                generators = tracker.get_states()
+                for name, value in saved.items():
+                    generators[name].set_state(value)
             else:
-                tracker.set_states({k: v.get_state() if isinstance(v, torch.Generator) else v
-                                    for k, v in state["tracker"].items()})
+                tracker.set_states(saved)
 
     def load_scheduler(self, saved: dict) -> None:
         """megatron-core's scheduler loads by stepping `num_steps` on from where it is, right for a run that
