@@ -35,6 +35,8 @@
 #               TP = 2 + SP, without and with the full-iteration CUDA graph                           ~8 min
 #   full_graph_tests  tests/gpu/test_full_graph_gpu.py's one-GPU cases (GPT-2 compiled, eager, with dropout; Llama
 #               compiled), each trained with and without the full-iteration graph                 ~9 min
+#   full_graph_tests_x2 (nvidia-h200-x2) full_graph_tests' one-GPU cases two at a time, one pytest a GPU (~4 min);
+#               then two_gpu_nccl_env
 #   two_gpu_full_graph (nvidia-h200-x2) its two-GPU cases (GPT-2 TP = 2 + SP with dropout, Llama TP = 2 + SP, DP = 2
 #               with the distributed optimizer), then the DP = 2 row with the graph               ~9 min
 #   full_graph_hf  (one H200) check 3 where the host counted: 350M and 124M, the plugin with the full-iteration
@@ -55,12 +57,15 @@
 #   two_gpu_nccl  (nvidia-h200-x2) the GPUs' link: topology, NVLink state, NCCL's transport, collective bandwidth;
 #               then whether overlapping TP's collectives with its GEMMs (torch's symmetric-memory fused ops) pays
 #               at 774M's shapes (benchmarks/async_tp_probe.py)                                     ~2 min
+#   two_gpu_nccl_env (nvidia-h200-x2) SP's collectives under NCCL's settings that shape a 2-GPU NVLink transfer
+#               (channels, protocol, threads, buffer size), then the copy-engine probe: which, if any, moves 42 MiB
+#               faster than NCCL's default (~0.12 ms); TP = 2 + SP at 774M is NCCL-bound between its GEMMs   ~3 min
 #   two_gpu_tests (nvidia-h200-x2) every test in tests/gpu marked two_gpus (the backlog since issue 11), in
 #               file order; pass file names after the stage to run a part                        ~10 min
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -128,6 +133,14 @@ case "$stage" in
     # the full-iteration graph's one-GPU cases, each with and without the graph
     python -m pytest -v -rs --durations 0 tests/gpu/test_full_graph_gpu.py -k "not 2gpu" 2>&1 \
       | tee "$out/full_graph_tests.log" ;;
+  full_graph_tests_x2)
+    F=tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step
+    CUDA_VISIBLE_DEVICES=0 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt0 "$F[gpt2_compiled]" \
+      "$F[llama_compiled]" > "$out/full_graph_tests_gpu0.log" 2>&1 &
+    CUDA_VISIBLE_DEVICES=1 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt1 "$F[gpt2_eager]" \
+      "$F[gpt2_compiled_dropout]" > "$out/full_graph_tests_gpu1.log" 2>&1
+    wait
+    bash "$0" two_gpu_nccl_env ;;
   two_gpu_full_graph)
     # the full-iteration graph's two-GPU cases, then DP = 2 with it
     python -m pytest -v -rs --durations 0 tests/gpu/test_full_graph_gpu.py -k "2gpu" 2>&1 \
@@ -164,6 +177,14 @@ case "$stage" in
       > "$out/two_gpu_nccl.log" 2>&1
     NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,P2P,TUNING torchrun --nproc-per-node 2 benchmarks/nccl_bandwidth.py \
       >> "$out/two_gpu_nccl.log" 2>&1
+    torchrun --nproc-per-node 2 benchmarks/async_tp_probe.py 2>&1 | tee "$out/async_tp_probe.log" ;;
+  two_gpu_nccl_env)
+    for env in "" NCCL_MIN_NCHANNELS=32 NCCL_PROTO=Simple NCCL_PROTO=LL128 NCCL_NTHREADS=512 \
+               NCCL_BUFFSIZE=16777216 "NCCL_MIN_NCHANNELS=32 NCCL_PROTO=Simple" NCCL_P2P_USE_CUDA_MEMCPY=1 \
+               NCCL_MAX_NCHANNELS=8; do
+      echo "== ${env:-default}"
+      env $env torchrun --nproc-per-node 2 benchmarks/nccl_bandwidth.py 2>&1 | grep -E "MiB|rror"
+    done 2>&1 | tee "$out/two_gpu_nccl_env.log"
     torchrun --nproc-per-node 2 benchmarks/async_tp_probe.py 2>&1 | tee "$out/async_tp_probe.log" ;;
   two_gpu_tests)
     shift
