@@ -37,6 +37,9 @@
 #               compiled), each trained with and without the full-iteration graph                 ~9 min
 #   full_graph_tests_x2 (nvidia-h200-x2) full_graph_tests' one-GPU cases two at a time, one pytest a GPU (~4 min);
 #               then two_gpu_nccl_env
+#   fp8_graph   (nvidia-h200-x2, or one GPU with the tests in turn) FP8 under the full-iteration graph: its GPU tests
+#               (tensor-wise compiled, delayed compiled and eager, each against the eager step), then Llama-1B bf16,
+#               FP8 tensorwise and FP8 delayed, each with the graph (delayed was host-bound without it)   ~9 min
 #   two_gpu_full_graph (nvidia-h200-x2) its two-GPU cases (GPT-2 TP = 2 + SP with dropout, Llama TP = 2 + SP, DP = 2
 #               with the distributed optimizer), then the DP = 2 row with the graph               ~9 min
 #   full_graph_hf  (one H200) check 3 where the host counted: 350M and 124M, the plugin with the full-iteration
@@ -65,7 +68,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -136,11 +139,25 @@ case "$stage" in
   full_graph_tests_x2)
     F=tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step
     CUDA_VISIBLE_DEVICES=0 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt0 "$F[gpt2_compiled]" \
-      "$F[llama_compiled]" > "$out/full_graph_tests_gpu0.log" 2>&1 &
+      "$F[llama_compiled]" "$F[gpt2_fp8_tensorwise_compiled]" > "$out/full_graph_tests_gpu0.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=1 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt1 "$F[gpt2_eager]" \
-      "$F[gpt2_compiled_dropout]" > "$out/full_graph_tests_gpu1.log" 2>&1
+      "$F[gpt2_compiled_dropout]" "$F[llama_fp8_delayed_compiled]" "$F[gpt2_fp8_delayed_eager]" \
+      > "$out/full_graph_tests_gpu1.log" 2>&1
     wait
     bash "$0" two_gpu_nccl_env ;;
+  fp8_graph)
+    F=tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step
+    second=$( [ "$(nvidia-smi -L | wc -l)" -gt 1 ] && echo 1 || echo 0 )
+    CUDA_VISIBLE_DEVICES=0 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt0 "$F[gpt2_fp8_tensorwise_compiled]" \
+      "$F[gpt2_fp8_delayed_eager]" > "$out/fp8_graph_tests_gpu0.log" 2>&1 &
+    [ "$second" = 0 ] && wait
+    CUDA_VISIBLE_DEVICES=$second python -m pytest -v -rs --durations 0 --basetemp /tmp/pt1 \
+      "$F[llama_fp8_delayed_compiled]" > "$out/fp8_graph_tests_gpu1.log" 2>&1
+    wait
+    for fp8 in "" "--fp8 hybrid --fp8_recipe tensorwise" "--fp8 hybrid --fp8_recipe delayed"; do
+      $T --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 4 --modes megatron_compile --steps 8 --warmup 3 \
+        --full_graph $fp8
+    done 2>&1 | tee "$out/fp8_graph.log" ;;
   two_gpu_full_graph)
     # the full-iteration graph's two-GPU cases, then DP = 2 with it
     python -m pytest -v -rs --durations 0 tests/gpu/test_full_graph_gpu.py -k "2gpu" 2>&1 \

@@ -1076,7 +1076,7 @@ def full_iteration_graph(plugin: MegatronLMPlugin) -> Optional[int]:
 def check_full_iteration_graph(plugin: MegatronLMPlugin, device_type: str, compile_kwargs: Optional[dict],
                                mixed_precision: str, moe: bool, encoder_family: Optional[str] = None) -> None:
     """Where the full-iteration CUDA graph runs: the CUDA engine without pipelining, context parallelism, MoE,
-    FP8, fp16, recompute, BERT / T5 (`encoder_family`), per-token loss, tp_comm_overlap, the optimizer on the CPU or
+    fp16, recompute, BERT / T5 (`encoder_family`), per-token loss, tp_comm_overlap, the optimizer on the CPU or
     per-layer graphs (LoRA: engine/lora.check_lora_run; post-training steps: resolve.py). Each of those keeps state
     on the host that a replay would not update, or waits for the GPU inside the step, or is untested under a
     capture."""
@@ -1093,8 +1093,6 @@ def check_full_iteration_graph(plugin: MegatronLMPlugin, device_type: str, compi
         (moe, "an MoE model", "the router's token counts are read by the host each step: train it without the graph"),
         (encoder_family is not None, f"the {encoder_family} family", "its train step is not tested under a capture "
          "(decoder-only models are): train it without the graph"),
-        (bool(plugin.fp8), f"fp8={plugin.fp8!r}", "the FP8 linears keep their scaling state on the host: leave fp8 "
-         "unset"),
         (mixed_precision == "fp16", "mixed_precision='fp16'", "fp16's loss scale is a new tensor after each change, "
          "which a replay would not read: use bf16"),
         (bool(plugin.calculate_per_token_loss), "calculate_per_token_loss=True", "megatron-core's finalize_model_grads "

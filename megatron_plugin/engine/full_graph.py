@@ -108,10 +108,13 @@ class FullIterationGraph:
         self._ran_eagerly.add(layout)
         return schedule(micro_batches)
 
-    def run(self, micro_batches: List[dict], schedule: Callable[[List[dict]], list], step: int):
+    def run(self, micro_batches: List[dict], schedule: Callable[[List[dict]], list], step: int,
+            host_state: Tuple = ()):
         """`schedule(micro_batches)` (the forward-backward of one training step), run eagerly, captured or
-        replayed; returns what it returns, in memory of its own."""
-        layout = batch_layout(micro_batches)
+        replayed; returns what it returns, in memory of its own. `host_state`: what else the step's code paths
+        depend on (FP8's settled scaling states): a step with new host state is a new layout, run eagerly once
+        (compiling its code paths outside any capture) before it is captured."""
+        layout = (batch_layout(micro_batches), tuple(host_state))
         if not self._captured and self.eager_steps < self.warmup_steps:
             return self._eager(micro_batches, schedule, layout)
         if self._captured and self._current_addresses() != self._addresses:
@@ -183,5 +186,6 @@ def _buffers_in_use() -> List[torch.Tensor]:
 
 
 def _describe(layout) -> str:
+    layout = layout[0]
     first = ", ".join(f"{k} {tuple(v[1]) if v[0] == 'tensor' else v[1]}" for k, v in layout[0]) if layout else ""
     return f"{len(layout)} x [{first}]"

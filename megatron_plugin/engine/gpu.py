@@ -418,24 +418,30 @@ class MegatronCoreEngine(MegatronEngine):
             r.zero_unwritten()
         return finalize_model_grads(*args, **kwargs)
 
+    def _forward_backward(self, micro_batches, judge=True):
+        """The training step's forward and backward, its FP8 weights quantized first (under the full-iteration
+        graph, inside the capture: the copies are then made anew by every replay, in the graph's memory)."""
+        cache_fp8_weights(self._fp8_states, compiled=self._fp8_backend)
+        try:
+            return self._run_schedule(micro_batches, forward_only=False, judge=judge)
+        finally:
+            drop_fp8_weight_cache(self._fp8_states)
+
     def _train_step(self, micro_batches):
         for r in self._grad_resets:
             r.reset()
         self.optimizer.zero_grad()
-        try:
-            cache_fp8_weights(self._fp8_states, compiled=self._fp8_backend)
-            if self.full_graph is None:
-                collected = self._run_schedule(micro_batches, forward_only=False)
-            else:
-                # the batch check is read once the step is queued (it cannot be inside a capture); its safe
-                # batch ran, and a bad one stops here, before the optimizer step
-                collected = self.full_graph.run(
-                    micro_batches, lambda mbs: self._run_schedule(mbs, forward_only=False, judge=False),
-                    self.iteration + 1)
-                if self._pending_check is not None:
-                    self._pending_check.raise_if_no_loss()
-        finally:
-            drop_fp8_weight_cache(self._fp8_states)
+        if self.full_graph is None:
+            collected = self._forward_backward(micro_batches)
+        else:
+            # the batch check is read once the step is queued (it cannot be inside a capture); its safe
+            # batch ran, and a bad one stops here, before the optimizer step. A delayed-scaling FP8 state that
+            # settles changes the FP8 layers' code: a new graph, after one eager step of it
+            collected = self.full_graph.run(
+                micro_batches, lambda mbs: self._forward_backward(mbs, judge=False), self.iteration + 1,
+                host_state=(len(self._unsettled_fp8),))
+            if self._pending_check is not None:
+                self._pending_check.raise_if_no_loss()
         if self.clip_on_device:
             # the norm and the skip flag stay on the device (read when asked); the LR schedule moves on
             # as mcore's does under bf16, where a step is never reported skipped

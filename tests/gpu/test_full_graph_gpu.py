@@ -1,7 +1,8 @@
 """Megatron's full-iteration CUDA graph (other_megatron_args cuda_graph_impl='local', cuda_graph_scope='full_iteration';
 engine/full_graph.py) trains as the eager step does: the same losses and grad norms step by step, on one GPU and
-at TP = 2 + SP and DP = 2 with the distributed optimizer, compiled and eager layers, with dropout drawn from the
-default stream and from megatron-core's tracker (SP), and through a checkpoint round trip.
+at TP = 2 + SP and DP = 2 with the distributed optimizer, compiled and eager layers, FP8 linears (tensor-wise and
+delayed scaling), with dropout drawn from the default stream and from megatron-core's tracker (SP), and through a
+checkpoint round trip.
 
     python -m pytest -q tests/gpu/test_full_graph_gpu.py
 """
@@ -22,6 +23,11 @@ CASES_1GPU = {
     "gpt2_eager": dict(compile=False),
     "llama_compiled": dict(family="llama"),
     "gpt2_compiled_dropout": dict(dropout=0.1),
+    # FP8 (SM89 and later): each replay quantizes the weights anew; delayed scaling settles after the first step
+    # (a new code path: eager once more, then captured)
+    "gpt2_fp8_tensorwise_compiled": dict(fp8_recipe="tensorwise"),
+    "llama_fp8_delayed_compiled": dict(family="llama", fp8_recipe="delayed"),
+    "gpt2_fp8_delayed_eager": dict(fp8_recipe="delayed", compile=False),
 }
 CASES_2GPU = {
     "tp2_sp_compiled_dropout": dict(tp=2, sp=True, dropout=0.1),
@@ -31,6 +37,8 @@ CASES_2GPU = {
 
 
 def _compare(kwargs, nproc, tmp_path):
+    if kwargs.get("fp8_recipe") and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 needs SM89 or later")
     steps = 10
     eager = run_on_ranks(partial(full_graph_run, graph=False, steps=steps, save_dir=str(tmp_path / "eager"), **kwargs),
                          nproc)[0]

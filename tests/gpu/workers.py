@@ -278,7 +278,7 @@ def deferred_check_run():
 
 
 def full_graph_run(graph=True, tp=1, sp=False, distopt=False, compile=True, family="gpt2", dropout=0.0, steps=10,
-                   save_dir=None):
+                   save_dir=None, fp8_recipe=None):
     """Training steps with Megatron's full-iteration CUDA graph (engine/full_graph.py; captured after 2 eager steps)
     or without it, the same data and seed: the losses, grad norms and the graph's counts. With `save_dir`, a
     save_state / load_state round trip after `steps - 3` steps (the RNG tracker's generators go through it)."""
@@ -289,8 +289,9 @@ def full_graph_run(graph=True, tp=1, sp=False, distopt=False, compile=True, fami
     args = {"cuda_graph_impl": "local", "cuda_graph_scope": "full_iteration", "cuda_graph_warmup_steps": 2} if graph else {}
     if dropout:
         args.update(hidden_dropout=dropout, attention_dropout=dropout)
+    fp8 = dict(fp8="hybrid", fp8_recipe=fp8_recipe) if fp8_recipe else {}
     plugin = MegatronLMPlugin(tp_degree=tp, sequence_parallelism=sp, use_distributed_optimizer=distopt,
-                              num_micro_batches=NUM_MICRO, torch_compile=compile, other_megatron_args=args)
+                              num_micro_batches=NUM_MICRO, torch_compile=compile, other_megatron_args=args, **fp8)
     acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16")
     hf = gpu_model(family)
     loader = DataLoader(dataset(steps * MICRO * NUM_MICRO, family=family), batch_size=MICRO // dp, shuffle=False,
