@@ -309,6 +309,12 @@ class MegatronCoreEngine(MegatronEngine):
     def __init__(self, chunks, user_optimizer, dummy_scheduler, plugin, train_step, device, dtype,
                  compile_kwargs: Optional[dict] = None):
         patches.require("MegatronCoreEngine", "foreach_clip")
+        if full_iteration_graph(plugin) is not None:
+            # The backward syncs with the stream each weight's gradient accumulator was made on, and DDP's hooks
+            # make them below: made on the legacy default stream, that sync inside the capture is illegal
+            # (cudaErrorStreamCaptureImplicit, H200, 2026-11-30). megatron-core's graph managers switch the
+            # process to a side stream for the same reason (transformer/cuda_graphs.py).
+            torch.cuda.set_stream(torch.cuda.Stream(device))
         config = chunks[0].config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
