@@ -76,3 +76,109 @@ def test_attention_mask_4d():
     # one new query after 3 cached keys, the first of them padding
     mask = attention_mask_4d(torch.tensor([[0, 1, 1, 1]]), 1, past=3)[0, 0]
     assert torch.equal(mask, torch.tensor([[T, F, F, F]]))
+
+
+class _CPUTracker:
+    """megatron-core's CUDA RNG tracker, on the CPU generator: fork() draws from its own state and restores the
+    default one after, with the same kind of RNG-state swaps (a graph break where torch.compile traces them)."""
+
+    def __init__(self, seed):
+        self.state = torch.Generator().manual_seed(seed).get_state()
+        self.forks = 0
+
+    def is_initialized(self):
+        return True
+
+    def fork(self):
+        import contextlib
+
+        @contextlib.contextmanager
+        def forked():
+            self.forks += 1
+            outside = torch.get_rng_state()
+            torch.set_rng_state(self.state)
+            try:
+                yield
+            finally:
+                self.state = torch.get_rng_state()
+                torch.set_rng_state(outside)
+        return forked()
+
+
+def _tracker_fork_worker():
+    from types import SimpleNamespace
+    from unittest import mock
+
+    import torch._dynamo
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from megatron_plugin import MegatronLMPlugin
+    from megatron_plugin.engine.distributed import initialize
+    from megatron_plugin.layers import attention
+
+    initialize(MegatronLMPlugin())
+    d, s, b, heads = 8, 6, 2, 4
+    cfg = TransformerConfig(num_layers=1, hidden_size=heads * d, num_attention_heads=heads, kv_channels=d,
+                            attention_dropout=0.5, use_cpu_initialization=True)
+    out = {}
+    # which runs fork: dropout at TP > 1 without sequence parallelism, on CUDA
+    tracker = _CPUTracker(0)
+    fake_tp = SimpleNamespace(get_cuda_rng_tracker=lambda: tracker)
+    with mock.patch.object(attention, "tensor_parallel", fake_tp), mock.patch("torch.cuda.is_available", lambda: True):
+        def needs(dropout, tp, sp):
+            c = SimpleNamespace(sequence_parallel=sp, tensor_model_parallel_size=tp)
+            return attention._needs_tracker_fork(c, dropout)
+        out["needs"] = [needs(0.1, 2, False), needs(0.1, 1, False), needs(0.1, 2, True), needs(0.0, 2, False)]
+    out["needs_on_cpu"] = attention._needs_tracker_fork(SimpleNamespace(sequence_parallel=False,
+                                                                        tensor_model_parallel_size=2), 0.1)
+
+    # the fork under torch.compile: one graph break at the attention, the same numbers as eager, no recompiles
+    def run(compiled):
+        tracker = _CPUTracker(1)
+        fake_tp = SimpleNamespace(get_cuda_rng_tracker=lambda: tracker)
+        torch.manual_seed(0)
+        attn = attention.SDPAttention(cfg, 1, AttnMaskType.causal, "self").train()
+        g = torch.Generator().manual_seed(2)
+        q, k, v = (torch.randn(s, b, heads, d, generator=g, requires_grad=True) for _ in range(3))
+
+        def step(q, k, v):
+            return (attn(q * 2, k, v, None) + 1).sum()
+        fn = torch.compile(step, backend="aot_eager") if compiled else step
+        torch._dynamo.reset()
+        torch.manual_seed(3)
+        default_before = torch.get_rng_state()
+        with mock.patch.object(attention, "tensor_parallel", fake_tp), \
+                mock.patch.object(attention, "_needs_tracker_fork", lambda c, p: p > 0):
+            losses = [fn(q, k, v)]
+            first = counters["stats"]["unique_graphs"]
+            losses += [fn(q, k, v) for _ in range(2)]
+            losses[-1].backward()
+        return {"losses": torch.stack(losses).detach(), "grads": [t.grad for t in (q, k, v)], "forks": tracker.forks,
+                "default_untouched": torch.equal(torch.get_rng_state(), default_before),
+                "graphs": (first, counters["stats"]["unique_graphs"])}
+
+    from torch._dynamo.utils import counters
+
+    out["eager"] = run(False)
+    counters.clear()
+    out["compiled"] = run(True)
+    out["break_reasons"] = list(counters["graph_break"])
+    return out
+
+
+def test_attention_dropout_forks_the_tracker_outside_torch_compile():
+    (r,) = run_on_ranks(_tracker_fork_worker, 1)
+    assert r["needs"] == [True, False, False, False] and r["needs_on_cpu"] is False
+    eager, compiled = r["eager"], r["compiled"]
+    # dropout drew from the tracker in both (the default stream untouched), the same masks step by step
+    assert eager["forks"] == compiled["forks"] == 3 and eager["default_untouched"] and compiled["default_untouched"]
+    assert len(set(eager["losses"].tolist())) == 3  # each step its own mask
+    assert torch.equal(compiled["losses"], eager["losses"])
+    for a, b in zip(compiled["grads"], eager["grads"]):
+        assert torch.equal(a, b)
+    # the only graph break is the call into the fork (before: dynamo traced the RNG swaps themselves), and the
+    # graphs of the first step serve the next ones
+    assert len(r["break_reasons"]) == 1 and "torch.compiler.disable" in r["break_reasons"][0], r["break_reasons"]
+    first, last = compiled["graphs"]
+    assert first == last > 0

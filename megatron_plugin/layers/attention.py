@@ -14,7 +14,6 @@ with the same all-gather scheme at 128k tokens.
 
 from __future__ import annotations
 
-import contextlib
 from typing import Optional
 
 import torch
@@ -57,15 +56,24 @@ def sdpa_kernels(config: TransformerConfig):
     return SDPA_KERNELS[backend]
 
 
-def _rng_context(config: TransformerConfig, dropout_p: float):
-    # Heads differ across TP ranks, so attention dropout must draw from the model-parallel stream
-    # (mcore's CUDA RNG tracker). On CPU there is no such tracker; the default generator is used.
-    # Without dropout there is nothing to draw, and the fork (a graph break under torch.compile) is skipped.
-    if dropout_p > 0 and torch.cuda.is_available() and not config.sequence_parallel:
-        tracker = tensor_parallel.get_cuda_rng_tracker()
-        if tracker.is_initialized():
-            return tracker.fork()
-    return contextlib.nullcontext()
+def _needs_tracker_fork(config: TransformerConfig, dropout_p: float) -> bool:
+    """Whether attention dropout draws from megatron-core's model-parallel stream (its CUDA RNG tracker): where the
+    heads differ across TP ranks (TP > 1). With sequence parallelism megatron-core's block runs every layer inside
+    that fork already; at TP = 1 the stream is the default one's twin, and on CPU there is no tracker."""
+    if not (dropout_p > 0 and torch.cuda.is_available() and not config.sequence_parallel
+            and config.tensor_model_parallel_size > 1):
+        return False
+    return tensor_parallel.get_cuda_rng_tracker().is_initialized()
+
+
+@torch._dynamo.disable
+def _in_tracker_fork(fn, *args):
+    """`fn(*args)` inside the tracker's fork, outside torch.compile: traced, the fork's RNG-state swaps broke the
+    layer's graph and dynamo then tried to compile torch.cuda's lazy-call frames; a compiled GPT-2 layer with
+    attention dropout at TP = 1 had not finished its first step after 7 minutes (H200, 2026-11-30). Here the call
+    is one graph break, and the attention runs eagerly between the layer's two graphs."""
+    with tensor_parallel.get_cuda_rng_tracker().fork():
+        return fn(*args)
 
 
 class SDPAttention(MegatronModule):
@@ -145,12 +153,15 @@ class SDPAttention(MegatronModule):
             # A single new query during decoding attends to every cached key: not causal.
             is_causal = mask_type == AttnMaskType.causal and sq == key.shape[0]
         dropout_p = self.dropout_p if self.training else 0.0
-        with _rng_context(self.config, dropout_p):
-            kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
-                          enable_gqa=self.groups != self.heads)
-            out = (F.scaled_dot_product_attention(q, k, v, **kwargs) if self.kernels is None
-                   else self._on_chosen_kernels(q, k, v, kwargs))
+        kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
+                      enable_gqa=self.groups != self.heads)
+        out = (_in_tracker_fork(self._attend, q, k, v, kwargs) if _needs_tracker_fork(self.config, dropout_p)
+               else self._attend(q, k, v, kwargs))
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+
+    def _attend(self, q, k, v, kwargs):
+        return F.scaled_dot_product_attention(q, k, v, **kwargs) if self.kernels is None \
+            else self._on_chosen_kernels(q, k, v, kwargs)
 
     def _over_context_parallel(self, query, key, value, attention_mask, attention_bias, causal):
         """This rank's queries (its chunks r and 2*CP-1-r, local order) over the whole sequence's keys and
@@ -166,22 +177,25 @@ class SDPAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
         kwargs = dict(dropout_p=dropout_p, scale=self.softmax_scale, enable_gqa=self.groups != self.heads)
-        with _rng_context(self.config, dropout_p):
-            if not causal:
-                attn_mask = None if attention_mask is None else ~attention_mask
-                out = self._sdpa(q, k, v, dict(kwargs, attn_mask=attn_mask, is_causal=False))
-            else:
-                # each local chunk over its causal key prefix only (keys past a chunk's end are masked for all of
-                # its queries): half the work of one call over every key
-                chunk, rank = sq // 2, self.cp_rank
-                ends = ((rank + 1) * chunk, (2 * self.cp_size - rank) * chunk)  # each local chunk's last key + 1
-                out = torch.cat([
-                    self._sdpa(q[:, :, i * chunk:(i + 1) * chunk], k[:, :, :end], v[:, :, :end],
-                               dict(kwargs, is_causal=False, attn_mask=(
-                                   self._lower_right(chunk, end, q.device) if attention_mask is None
-                                   else ~attention_mask[:, :, i * chunk:(i + 1) * chunk, :end])))
-                    for i, end in enumerate(ends)], dim=2)
+        args = (q, k, v, kwargs, attention_mask, causal, sq)
+        out = (_in_tracker_fork(self._attend_context_parallel, *args) if _needs_tracker_fork(self.config, dropout_p)
+               else self._attend_context_parallel(*args))
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
+
+    def _attend_context_parallel(self, q, k, v, kwargs, attention_mask, causal, sq):
+        if not causal:
+            attn_mask = None if attention_mask is None else ~attention_mask
+            return self._sdpa(q, k, v, dict(kwargs, attn_mask=attn_mask, is_causal=False))
+        # each local chunk over its causal key prefix only (keys past a chunk's end are masked for all of its
+        # queries): half the work of one call over every key
+        chunk, rank = sq // 2, self.cp_rank
+        ends = ((rank + 1) * chunk, (2 * self.cp_size - rank) * chunk)  # each local chunk's last key + 1
+        return torch.cat([
+            self._sdpa(q[:, :, i * chunk:(i + 1) * chunk], k[:, :, :end], v[:, :, :end],
+                       dict(kwargs, is_causal=False, attn_mask=(
+                           self._lower_right(chunk, end, q.device) if attention_mask is None
+                           else ~attention_mask[:, :, i * chunk:(i + 1) * chunk, :end])))
+            for i, end in enumerate(ends)], dim=2)
 
     def _lower_right(self, queries: int, keys: int, device):
         bias = causal_lower_right(queries, keys)
