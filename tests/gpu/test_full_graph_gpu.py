@@ -33,6 +33,9 @@ CASES_2GPU = {
     "tp2_sp_compiled_dropout": dict(tp=2, sp=True, dropout=0.1),
     "llama_tp2_sp_compiled": dict(tp=2, sp=True, family="llama"),
     "dp2_distopt_compiled": dict(distopt=True),
+    # TP without SP: attention dropout draws from megatron-core's tracker through a fork outside torch.compile
+    # (layers/attention._in_tracker_fork), captured with the graph-safe tracker's generators
+    "tp2_compiled_dropout": dict(tp=2, dropout=0.1),
 }
 
 
