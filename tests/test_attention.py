@@ -115,7 +115,7 @@ def _tracker_fork_worker():
 
     from megatron_plugin import MegatronLMPlugin
     from megatron_plugin.engine.distributed import initialize
-    from megatron_plugin.layers import attention
+    from megatron_plugin.layers import attention, rng_fork
 
     initialize(MegatronLMPlugin())
     d, s, b, heads = 8, 6, 2, 4
@@ -125,13 +125,16 @@ def _tracker_fork_worker():
     # which runs fork: dropout at TP > 1 without sequence parallelism, on CUDA
     tracker = _CPUTracker(0)
     fake_tp = SimpleNamespace(get_cuda_rng_tracker=lambda: tracker)
-    with mock.patch.object(attention, "tensor_parallel", fake_tp), mock.patch("torch.cuda.is_available", lambda: True):
-        def needs(dropout, tp, sp):
-            c = SimpleNamespace(sequence_parallel=sp, tensor_model_parallel_size=tp)
-            return attention._needs_tracker_fork(c, dropout)
-        out["needs"] = [needs(0.1, 2, False), needs(0.1, 1, False), needs(0.1, 2, True), needs(0.0, 2, False)]
-    out["needs_on_cpu"] = attention._needs_tracker_fork(SimpleNamespace(sequence_parallel=False,
-                                                                        tensor_model_parallel_size=2), 0.1)
+
+    def needs(dropout, tp, sp, cuda=True):
+        fake_ps = SimpleNamespace(model_parallel_is_initialized=lambda: True,
+                                  get_tensor_model_parallel_world_size=lambda: tp)
+        with mock.patch.object(rng_fork, "tensor_parallel", fake_tp), mock.patch.object(rng_fork, "parallel_state",
+                                                                                         fake_ps), \
+                mock.patch("torch.cuda.is_available", lambda: cuda):
+            return attention._needs_tracker_fork(SimpleNamespace(sequence_parallel=sp), dropout)
+    out["needs"] = [needs(0.1, 2, False), needs(0.1, 1, False), needs(0.1, 2, True), needs(0.0, 2, False),
+                    needs(0.1, 2, False, cuda=False)]
 
     # the fork under torch.compile: one graph break at the attention, the same numbers as eager, no recompiles
     def run(compiled):
@@ -148,7 +151,7 @@ def _tracker_fork_worker():
         torch._dynamo.reset()
         torch.manual_seed(3)
         default_before = torch.get_rng_state()
-        with mock.patch.object(attention, "tensor_parallel", fake_tp), \
+        with mock.patch.object(rng_fork, "tensor_parallel", fake_tp), \
                 mock.patch.object(attention, "_needs_tracker_fork", lambda c, p: p > 0):
             losses = [fn(q, k, v)]
             first = counters["stats"]["unique_graphs"]
@@ -169,7 +172,7 @@ def _tracker_fork_worker():
 
 def test_attention_dropout_forks_the_tracker_outside_torch_compile():
     (r,) = run_on_ranks(_tracker_fork_worker, 1)
-    assert r["needs"] == [True, False, False, False] and r["needs_on_cpu"] is False
+    assert r["needs"] == [True, False, False, False, False]
     eager, compiled = r["eager"], r["compiled"]
     # dropout drew from the tracker in both (the default stream untouched), the same masks step by step
     assert eager["forks"] == compiled["forks"] == 3 and eager["default_untouched"] and compiled["default_untouched"]

@@ -32,6 +32,7 @@ from ..errors import MegatronPluginConfigError
 from .comm import all_gather_last_dim
 from .context_parallel import check_context_parallel, gather_sequence
 from .masks import causal_mask
+from .rng_fork import in_tracker_fork, tracker_fork_needed
 
 
 # Megatron-Core's attention backends -> torch SDPA kernels (in order of preference); None: torch picks. TE's
@@ -57,23 +58,9 @@ def sdpa_kernels(config: TransformerConfig):
 
 
 def _needs_tracker_fork(config: TransformerConfig, dropout_p: float) -> bool:
-    """Whether attention dropout draws from megatron-core's model-parallel stream (its CUDA RNG tracker): where the
-    heads differ across TP ranks (TP > 1). With sequence parallelism megatron-core's block runs every layer inside
-    that fork already; at TP = 1 the stream is the default one's twin, and on CPU there is no tracker."""
-    if not (dropout_p > 0 and torch.cuda.is_available() and not config.sequence_parallel
-            and config.tensor_model_parallel_size > 1):
-        return False
-    return tensor_parallel.get_cuda_rng_tracker().is_initialized()
-
-
-@torch._dynamo.disable
-def _in_tracker_fork(fn, *args):
-    """`fn(*args)` inside the tracker's fork, outside torch.compile: traced, the fork's RNG-state swaps broke the
-    layer's graph and dynamo then tried to compile torch.cuda's lazy-call frames; a compiled GPT-2 layer with
-    attention dropout at TP = 1 had not finished its first step after 7 minutes (H200, 2026-11-30). Here the call
-    is one graph break, and the attention runs eagerly between the layer's two graphs."""
-    with tensor_parallel.get_cuda_rng_tracker().fork():
-        return fn(*args)
+    """Attention dropout forks megatron-core's tracker where the heads differ across TP ranks (layers/rng_fork.py);
+    with sequence parallelism megatron-core's block runs every layer inside that fork already."""
+    return not config.sequence_parallel and tracker_fork_needed(dropout_p, torch.cuda.is_available())
 
 
 class SDPAttention(MegatronModule):
@@ -155,7 +142,7 @@ class SDPAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
         kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
                       enable_gqa=self.groups != self.heads)
-        out = (_in_tracker_fork(self._attend, q, k, v, kwargs) if _needs_tracker_fork(self.config, dropout_p)
+        out = (in_tracker_fork(self._attend, q, k, v, kwargs) if _needs_tracker_fork(self.config, dropout_p)
                else self._attend(q, k, v, kwargs))
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
 
@@ -178,7 +165,7 @@ class SDPAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
         kwargs = dict(dropout_p=dropout_p, scale=self.softmax_scale, enable_gqa=self.groups != self.heads)
         args = (q, k, v, kwargs, attention_mask, causal, sq)
-        out = (_in_tracker_fork(self._attend_context_parallel, *args) if _needs_tracker_fork(self.config, dropout_p)
+        out = (in_tracker_fork(self._attend_context_parallel, *args) if _needs_tracker_fork(self.config, dropout_p)
                else self._attend_context_parallel(*args))
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
 

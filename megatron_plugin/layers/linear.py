@@ -9,6 +9,7 @@ from megatron.core.tensor_parallel import RowParallelLinear as _McoreRowParallel
 from . import compiled_linear
 from .fp8 import fp8_forward, state_of as fp8_state_of
 from .lora import adapters_of, fused_column_forward, lora_delta
+from .rng_fork import in_tracker_fork, tracker_fork_needed
 from .sp_comm import gather_first_dim
 
 
@@ -196,17 +197,14 @@ class RowParallelLinear(_McoreRowParallelLinear):
 
 class DropoutInputRowParallelLinear(RowParallelLinear):
     """A RowParallelLinear that drops out its input: T5's MLP applies dropout between the activation and
-    `wo`, which mcore's MLP has no slot for. The input is split over TP ranks, so on CUDA the mask is
-    drawn from the model-parallel RNG stream."""
+    `wo`, which mcore's MLP has no slot for. The input is split over TP ranks, so on CUDA at TP > 1 the mask
+    is drawn from the model-parallel RNG stream (layers/rng_fork.py)."""
 
     def forward(self, input_, *args, **kwargs):
         p = self.config.hidden_dropout
         if self.training and p > 0:
-            from megatron.core import tensor_parallel
-
-            if input_.is_cuda and tensor_parallel.get_cuda_rng_tracker().is_initialized():
-                with tensor_parallel.get_cuda_rng_tracker().fork():
-                    input_ = torch.nn.functional.dropout(input_, p, True)
+            if tracker_fork_needed(p, input_.is_cuda):
+                input_ = in_tracker_fork(torch.nn.functional.dropout, input_, p, True)
             else:
                 input_ = torch.nn.functional.dropout(input_, p, True)
         return super().forward(input_, *args, **kwargs)

@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .rng_fork import in_tracker_fork, tracker_fork_needed
 from .sp_comm import gather_first_dim, reduce_scatter_first_dim
 
 # Parts of a fused output, in the order Megatron lays them out per group (QKV) or per rank (gate/up).
@@ -78,24 +79,13 @@ class LoRAAdapter(nn.Module):
         rank."""
         if not (self.training and isinstance(self.dropout, nn.Dropout)):
             return x
-        if self.split_input and x.is_cuda and _tp_world_size() > 1:  # the fork: a graph break when compiled
-            from megatron.core import tensor_parallel
-
-            tracker = tensor_parallel.get_cuda_rng_tracker()
-            if tracker.is_initialized():
-                with tracker.fork():
-                    return self.dropout(x)
+        if self.split_input and tracker_fork_needed(self.dropout.p, x.is_cuda):  # one graph break when compiled
+            return in_tracker_fork(self.dropout, x)
         return self.dropout(x)
 
     def up(self, h: torch.Tensor) -> torch.Tensor:
         B = self.lora_B.to(h.dtype) if h.dtype != self.lora_B.dtype else self.lora_B
         return F.linear(h, B) * self.scaling
-
-
-def _tp_world_size() -> int:
-    from megatron.core import parallel_state
-
-    return parallel_state.get_tensor_model_parallel_world_size() if parallel_state.model_parallel_is_initialized() else 1
 
 
 def mark_sequence_parallel(adapter: LoRAAdapter) -> None:
