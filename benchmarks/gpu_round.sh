@@ -40,6 +40,9 @@
 #   fp8_graph   (nvidia-h200-x2, or one GPU with the tests in turn) FP8 under the full-iteration graph: its GPU tests
 #               (tensor-wise compiled, delayed compiled and eager, each against the eager step), then Llama-1B bf16,
 #               FP8 tensorwise and FP8 delayed, each with the graph (delayed was host-bound without it)   ~9 min
+#   dropout_tests (nvidia-h200-x2; one GPU runs the first half) compiled layers with dropout on (the tracker fork
+#               outside dynamo, 2026-11-30): tests/gpu/test_dropout_compiled_gpu.py and the full graph's
+#               gpt2_compiled_dropout on one GPU, then the two-GPU cases (tp2, and tp2_compiled_dropout's graph)  ~6 min
 #   two_gpu_full_graph (nvidia-h200-x2) its two-GPU cases (GPT-2 TP = 2 + SP with dropout, Llama TP = 2 + SP, DP = 2
 #               with the distributed optimizer), then the DP = 2 row with the graph               ~9 min
 #   full_graph_hf  (one H200) check 3 where the host counted: 350M and 124M, the plugin with the full-iteration
@@ -68,7 +71,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | dropout_tests | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -162,6 +165,15 @@ case "$stage" in
       $T --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 4 --modes megatron_compile --steps 8 --warmup 3 \
         --full_graph $fp8
     done 2>&1 | tee "$out/fp8_graph_rows.log" ;;
+  dropout_tests)
+    timeout 300 python -m pytest -v -rs --durations 0 tests/gpu/test_dropout_compiled_gpu.py \
+      "tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step[gpt2_compiled_dropout]" \
+      2>&1 | tee "$out/dropout_tests.log"
+    if [ "$(nvidia-smi -L | wc -l)" -gt 1 ]; then
+      timeout 280 python -m pytest -v -rs --durations 0 -m two_gpus tests/gpu/test_dropout_compiled_gpu.py \
+        "tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step_2gpu[tp2_compiled_dropout]" \
+        2>&1 | tee -a "$out/dropout_tests.log"
+    fi ;;
   two_gpu_full_graph)
     # the full-iteration graph's two-GPU cases, then DP = 2 with it
     python -m pytest -v -rs --durations 0 tests/gpu/test_full_graph_gpu.py -k "2gpu" 2>&1 \
