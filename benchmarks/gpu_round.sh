@@ -43,6 +43,9 @@
 #   dropout_tests (nvidia-h200-x2; one GPU runs the first half) compiled layers with dropout on (the tracker fork
 #               outside dynamo, 2026-11-30): tests/gpu/test_dropout_compiled_gpu.py and the full graph's
 #               gpt2_compiled_dropout on one GPU, then the two-GPU cases (tp2, and tp2_compiled_dropout's graph)  ~6 min
+#   two_gpu_tp_graph (nvidia-h200-x2) TP = 2 at 774M with the full-iteration graph (GPU-bound, 47 of 138 ms in NCCL):
+#               without SP (all-reduces: fewer, cheaper collectives, but the norms on the whole sequence), with SP,
+#               and with SP under NCCL settings that may move 42 MiB faster (32 channels; the Simple protocol)  ~7 min
 #   two_gpu_full_graph (nvidia-h200-x2) its two-GPU cases (GPT-2 TP = 2 + SP with dropout, Llama TP = 2 + SP, DP = 2
 #               with the distributed optimizer), then the DP = 2 row with the graph               ~9 min
 #   full_graph_hf  (one H200) check 3 where the host counted: 350M and 124M, the plugin with the full-iteration
@@ -71,7 +74,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | dropout_tests | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | dropout_tests | two_gpu_tp_graph | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -174,6 +177,12 @@ case "$stage" in
         "tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step_2gpu[tp2_compiled_dropout]" \
         2>&1 | tee -a "$out/dropout_tests.log"
     fi ;;
+  two_gpu_tp_graph)
+    L="--sizes 774m --modes megatron_compile --steps 10 --warmup 3 --nproc 2 --tp 2 --full_graph"
+    { $T $L
+      $T $L --sp
+      NCCL_MIN_NCHANNELS=32 $T $L --sp
+      NCCL_PROTO=Simple $T $L --sp; } 2>&1 | tee "$out/two_gpu_tp_graph.log" ;;
   two_gpu_full_graph)
     # the full-iteration graph's two-GPU cases, then DP = 2 with it
     python -m pytest -v -rs --durations 0 tests/gpu/test_full_graph_gpu.py -k "2gpu" 2>&1 \
