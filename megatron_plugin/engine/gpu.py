@@ -314,7 +314,9 @@ class MegatronCoreEngine(MegatronEngine):
             # make them below: made on the legacy default stream, that sync inside the capture is illegal
             # (cudaErrorStreamCaptureImplicit, H200, 2026-11-30). megatron-core's graph managers switch the
             # process to a side stream for the same reason (transformer/cuda_graphs.py).
-            torch.cuda.set_stream(torch.cuda.Stream(device))
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))  # the weights' copies queued so far come first
+            torch.cuda.set_stream(side)
         config = chunks[0].config
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
