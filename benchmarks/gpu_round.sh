@@ -45,7 +45,8 @@
 #               gpt2_compiled_dropout on one GPU, then the two-GPU cases (tp2, and tp2_compiled_dropout's graph)  ~6 min
 #   two_gpu_tp_graph (nvidia-h200-x2) TP = 2 at 774M with the full-iteration graph (GPU-bound, 47 of 138 ms in NCCL):
 #               without SP (all-reduces: fewer, cheaper collectives, but the norms on the whole sequence), with SP,
-#               and with SP under NCCL settings that may move 42 MiB faster (32 channels; the Simple protocol)  ~7 min
+#               and with SP under NCCL settings that may move 42 MiB faster (32 channels; the Simple protocol);
+#               first benchmarks/two_stream_probe.py: two micro-batches' SP chains on two streams in one graph  ~8 min
 #   two_gpu_full_graph (nvidia-h200-x2) its two-GPU cases (GPT-2 TP = 2 + SP with dropout, Llama TP = 2 + SP, DP = 2
 #               with the distributed optimizer), then the DP = 2 row with the graph               ~9 min
 #   full_graph_hf  (one H200) check 3 where the host counted: 350M and 124M, the plugin with the full-iteration
@@ -179,7 +180,8 @@ case "$stage" in
     fi ;;
   two_gpu_tp_graph)
     L="--sizes 774m --modes megatron_compile --steps 10 --warmup 3 --nproc 2 --tp 2 --full_graph"
-    { $T $L
+    { torchrun --nproc-per-node 2 benchmarks/two_stream_probe.py
+      $T $L
       $T $L --sp
       NCCL_MIN_NCHANNELS=32 $T $L --sp
       NCCL_PROTO=Simple $T $L --sp; } 2>&1 | tee "$out/two_gpu_tp_graph.log" ;;
