@@ -26,14 +26,14 @@ def base_model(name):
     return tiny_gpt2("tied") if name == "gpt2" else tiny_llama("llama")
 
 
-def peft_model(name, seed=7):
+def peft_model(name, seed=7, lora_dropout=0.0):
     """The tiny model with LoRA adapters whose A and B are both random (init_lora_weights=False), so the
     adapters change the output from the first step."""
     from peft import LoraConfig, get_peft_model
 
     hf = base_model(name)
     torch.manual_seed(seed)
-    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=list(TARGETS[name]),
+    config = LoraConfig(r=4, lora_alpha=8, lora_dropout=lora_dropout, target_modules=list(TARGETS[name]),
                         init_lora_weights=False)
     return get_peft_model(hf, config)
 

@@ -319,20 +319,28 @@ def full_graph_run(graph=True, tp=1, sp=False, distopt=False, compile=True, fami
             "rng_moved": all(any(not torch.equal(x, y) for x, y in zip(a, b)) for a, b in zip(rng, rng[1:]))}
 
 
-def dropout_compiled_run(family="gpt2", tp=1, compile=True, steps=4):
-    """Compiled layers with dropout on (hidden and attention 0.1, HF GPT-2's and BERT's defaults): `steps`
-    training steps at learning rate 0 on one repeated batch (the weights stay put), then the same batch in eval
-    mode. Dropout in effect shows as a new loss each step around the eval loss."""
+def dropout_compiled_run(family="gpt2", tp=1, compile=True, steps=4, lora=False, sp=False):
+    """Compiled layers with dropout on (hidden and attention 0.1, HF GPT-2's and BERT's defaults; with `lora`
+    only peft's adapter dropout, 0.1, on the tiny Llama's adapters): `steps` training steps at learning rate 0 on
+    one repeated batch (the weights stay put), then the same batch in eval mode. Dropout in effect shows as a
+    new loss each step around the eval loss."""
     from megatron_plugin import Accelerator, MegatronLMPlugin
 
     world = int(os.environ["WORLD_SIZE"])
-    plugin = MegatronLMPlugin(tp_degree=tp, num_micro_batches=NUM_MICRO, torch_compile=compile,
-                              other_megatron_args={"hidden_dropout": 0.1, "attention_dropout": 0.1})
+    args = {} if lora else {"hidden_dropout": 0.1, "attention_dropout": 0.1}
+    plugin = MegatronLMPlugin(tp_degree=tp, sequence_parallelism=sp, num_micro_batches=NUM_MICRO,
+                              torch_compile=compile, other_megatron_args=args)
     acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16")
-    hf = gpu_model(family)
-    batch = dataset(MICRO * NUM_MICRO, family=family)
+    if lora:
+        from tests.test_lora_training import peft_model
+
+        hf = peft_model("llama", lora_dropout=0.1)
+        batch = dataset(MICRO * NUM_MICRO, vocab=hf.config.vocab_size)
+    else:
+        hf = gpu_model(family)
+        batch = dataset(MICRO * NUM_MICRO, family=family)
     loader = DataLoader(batch * (steps + 1), batch_size=MICRO // (world // tp), shuffle=False, drop_last=True)
-    opt = torch.optim.AdamW(hf.parameters(), lr=0.0, weight_decay=0.0)
+    opt = torch.optim.AdamW([p for p in hf.parameters() if p.requires_grad], lr=0.0, weight_decay=0.0)
     engine, opt, loader = acc.prepare(hf, opt, loader)
     engine.train()
     it = iter(loader)
