@@ -149,7 +149,7 @@ case "$stage" in
     CUDA_VISIBLE_DEVICES=0 timeout 320 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt0 "$F[gpt2_compiled]" \
       "$F[llama_compiled]" "$F[gpt2_fp8_tensorwise_compiled]" > "$out/full_graph_tests_gpu0.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=1 timeout 320 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt1 "$F[gpt2_eager]" \
-      "$F[gpt2_compiled_dropout]" "$F[llama_fp8_delayed_compiled]" "$F[gpt2_fp8_delayed_eager]" \
+      "$F[gpt2_compiled_dropout]" "$F[llama_fp8_delayed_compiled]" "$F[gpt2_fp8_delayed_eager]" "$F[gpt2_fp8_tensorwise_eager]" \
       > "$out/full_graph_tests_gpu1.log" 2>&1
     wait
     bash "$0" fp8_graph_rows ;;
@@ -157,7 +157,7 @@ case "$stage" in
     F=tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step
     second=$( [ "$(nvidia-smi -L | wc -l)" -gt 1 ] && echo 1 || echo 0 )
     CUDA_VISIBLE_DEVICES=0 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt0 "$F[gpt2_fp8_tensorwise_compiled]" \
-      "$F[gpt2_fp8_delayed_eager]" > "$out/fp8_graph_tests_gpu0.log" 2>&1 &
+      "$F[gpt2_fp8_delayed_eager]" "$F[gpt2_fp8_tensorwise_eager]" > "$out/fp8_graph_tests_gpu0.log" 2>&1 &
     [ "$second" = 0 ] && wait
     CUDA_VISIBLE_DEVICES=$second python -m pytest -v -rs --durations 0 --basetemp /tmp/pt1 \
       "$F[llama_fp8_delayed_compiled]" > "$out/fp8_graph_tests_gpu1.log" 2>&1
@@ -170,7 +170,7 @@ case "$stage" in
         --full_graph $fp8
     done 2>&1 | tee "$out/fp8_graph_rows.log" ;;
   dropout_tests)
-    timeout 300 python -m pytest -v -rs --durations 0 tests/gpu/test_dropout_compiled_gpu.py \
+    timeout 300 python -m pytest -v -rs --durations 0 -m "not two_gpus" tests/gpu/test_dropout_compiled_gpu.py \
       "tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step[gpt2_compiled_dropout]" \
       2>&1 | tee "$out/dropout_tests.log"
     if [ "$(nvidia-smi -L | wc -l)" -gt 1 ]; then
@@ -180,7 +180,7 @@ case "$stage" in
     fi ;;
   two_gpu_tp_graph)
     L="--sizes 774m --modes megatron_compile --steps 10 --warmup 3 --nproc 2 --tp 2 --full_graph"
-    { torchrun --nproc-per-node 2 benchmarks/two_stream_probe.py
+    { timeout 180 torchrun --nproc-per-node 2 benchmarks/two_stream_probe.py
       $T $L
       $T $L --sp
       NCCL_MIN_NCHANNELS=32 $T $L --sp

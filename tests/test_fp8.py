@@ -1096,3 +1096,31 @@ def f(x):
     assert got == ["Module text that is long enough to count as a paragraph of real English prose, written for the test "
                    "here.", prose]
     assert list(corpus.paragraphs("def broken(:\n")) == []
+
+
+def _settle_across_ranks_worker():
+    import torch.distributed as dist
+
+    from megatron_plugin import MegatronLMPlugin
+    from megatron_plugin.engine.distributed import initialize
+    from megatron_plugin.layers.fp8 import FP8State, settle
+
+    initialize(MegatronLMPlugin())
+    rank = dist.get_rank()
+    states = [FP8State(FP8Recipe(recipe="delayed"), "cpu") for _ in range(2)]
+    for i, st in enumerate(states):
+        st.scale.fill_(2.0)  # every row set by a use...
+        if rank == 1 and i == 0:
+            st.scale[1] = 1.0  # ...but the weight row of rank 1's first linear
+    left = settle(states)
+    each = [st.settled for st in states]
+    left_agreed = settle(states, group=dist.group.WORLD)
+    return {"each": each, "left": len(left), "agreed": [st.settled for st in states], "left_agreed": len(left_agreed)}
+
+
+def test_settle_agrees_across_ranks_when_asked():
+    # under the full-iteration graph a settled state is new host state: every rank must see it in the same step,
+    # or one captures (and waits in a barrier) while another replays
+    out = run_on_ranks(_settle_across_ranks_worker, 2)
+    assert out[0]["each"] == [True, True] and out[1]["each"] == [False, True]  # each rank alone
+    assert [o["agreed"] for o in out] == [[False, True], [False, True]] and [o["left_agreed"] for o in out] == [1, 1]

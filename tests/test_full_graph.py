@@ -165,6 +165,9 @@ def test_new_host_state_runs_eagerly_once_then_is_captured():
     outs = [g.run(_batch(10 * s), sched, step=s + 1, host_state=h) for s, h in enumerate(states)]
     assert (g.eager_steps, g.captures, g.replays) == (2, 1, 2)
     assert [o[0]["loss"].item() for o in outs] == [0, 10, 20, 30]
+    # a graph of an earlier host state goes once the state moves on (it would never replay again)
+    g.run(_batch(40), sched, step=5, host_state=(5,))
+    assert len(g._captured) == 0 and g.eager_steps == 3
 
 
 def test_layouts_beyond_the_limit_run_eagerly_and_say_so(caplog):

@@ -115,6 +115,10 @@ class FullIterationGraph:
         depend on (FP8's settled scaling states): a step with new host state is a new layout, run eagerly once
         (compiling its code paths outside any capture) before it is captured."""
         layout = (batch_layout(micro_batches), tuple(host_state))
+        # graphs of an earlier host state are never replayed again (FP8 states settle once): their memory and
+        # places go
+        for stale in [k for k in self._captured if k[1] != layout[1]]:
+            self._captured.pop(stale).graph.reset()
         if not self._captured and self.eager_steps < self.warmup_steps:
             return self._eager(micro_batches, schedule, layout)
         if self._captured and self._current_addresses() != self._addresses:

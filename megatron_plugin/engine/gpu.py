@@ -429,8 +429,8 @@ class MegatronCoreEngine(MegatronEngine):
     def _forward_backward(self, micro_batches, judge=True):
         """The training step's forward and backward, its FP8 weights quantized first (under the full-iteration
         graph, inside the capture: the copies are then made anew by every replay, in the graph's memory)."""
-        cache_fp8_weights(self._fp8_states, compiled=self._fp8_backend)
         try:
+            cache_fp8_weights(self._fp8_states, compiled=self._fp8_backend)
             return self._run_schedule(micro_batches, forward_only=False, judge=judge)
         finally:
             drop_fp8_weight_cache(self._fp8_states)
@@ -462,7 +462,9 @@ class MegatronCoreEngine(MegatronEngine):
             self.scheduler.step(1)
         self.iteration += 1
         if self._unsettled_fp8:  # normally after the first step only: one device read
-            self._unsettled_fp8 = settle_fp8(self._unsettled_fp8)
+            # under the graph every rank holds the same linears (no pipelining) and must see the same host state
+            self._unsettled_fp8 = settle_fp8(self._unsettled_fp8,
+                                             group=dist.group.WORLD if self.full_graph is not None else None)
         return self._share_from_last_stage(average_logs(collected))
 
     def _eval_step(self, micro_batches):

@@ -60,7 +60,7 @@ def sdpa_kernels(config: TransformerConfig):
 def _needs_tracker_fork(config: TransformerConfig, dropout_p: float) -> bool:
     """Attention dropout forks megatron-core's tracker where the heads differ across TP ranks (layers/rng_fork.py);
     with sequence parallelism megatron-core's block runs every layer inside that fork already."""
-    return not config.sequence_parallel and tracker_fork_needed(dropout_p, torch.cuda.is_available())
+    return tracker_fork_needed(dropout_p, torch.cuda.is_available(), config.sequence_parallel)
 
 
 class SDPAttention(MegatronModule):

@@ -131,7 +131,9 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, margin: int, fallback)
     amax = amax.float()
     scale = (fp8_max(dtype) / amax) / (2.0 ** margin)
     scale = torch.clamp(scale, max=torch.finfo(torch.float32).max)
-    fallback = torch.as_tensor(fallback, dtype=torch.float32, device=amax.device)
+    # a Python fallback stays a scalar: made a device tensor it would be a host-to-device copy, which a CUDA graph
+    # capture (the full-iteration graph) does not allow
+    fallback = fallback.float() if torch.is_tensor(fallback) else float(fallback)
     return torch.where((amax > 0) & torch.isfinite(amax), scale, fallback)
 
 
@@ -211,13 +213,18 @@ def unsettled_rows(state: FP8State) -> torch.Tensor:
     return ((state.history == 0).all(dim=-1) & (state.scale == 1)).sum()
 
 
-def settle(states: List[FP8State]) -> List[FP8State]:
+def settle(states: List[FP8State], group=None) -> List[FP8State]:
     """Marks the delayed states whose rows are all set as `settled`; returns those still unsettled. The engine
     calls it after training steps until none is left (normally after the first: every FP8 linear's backward
-    sets its three rows). One device read for all of them."""
+    sets its three rows). One device read for all of them. `group`: ranks holding the same linears in the same
+    order (the full-iteration graph's, which must capture on every rank in the same step): a state settles on
+    all of them when it has on each."""
     if not states:
         return []
-    counts = torch.stack([unsettled_rows(st) for st in states]).tolist()
+    counts = torch.stack([unsettled_rows(st) for st in states])
+    if group is not None:
+        torch.distributed.all_reduce(counts, op=torch.distributed.ReduceOp.MAX, group=group)
+    counts = counts.tolist()
     for st, n in zip(states, counts):
         st.settled = n == 0
     return [st for st in states if not st.settled]

@@ -203,7 +203,7 @@ class DropoutInputRowParallelLinear(RowParallelLinear):
     def forward(self, input_, *args, **kwargs):
         p = self.config.hidden_dropout
         if self.training and p > 0:
-            if tracker_fork_needed(p, input_.is_cuda):
+            if tracker_fork_needed(p, input_.is_cuda, self.config.sequence_parallel):
                 input_ = in_tracker_fork(torch.nn.functional.dropout, input_, p, True)
             else:
                 input_ = torch.nn.functional.dropout(input_, p, True)

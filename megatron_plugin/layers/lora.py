@@ -53,6 +53,7 @@ class LoRAAdapter(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         self.enabled = True
         self.split_input = parallel == "row"
+        self.sequence_parallel = False  # set by mark_sequence_parallel
         # the split parameter carries megatron-core's TP attributes (grad norm, optimizer sharding)
         split, whole = (self.lora_B, self.lora_A) if parallel == "column" else (self.lora_A, self.lora_B)
         split.tensor_model_parallel, split.partition_stride = True, 1
@@ -79,7 +80,7 @@ class LoRAAdapter(nn.Module):
         rank."""
         if not (self.training and isinstance(self.dropout, nn.Dropout)):
             return x
-        if self.split_input and tracker_fork_needed(self.dropout.p, x.is_cuda):  # one graph break when compiled
+        if self.split_input and tracker_fork_needed(self.dropout.p, x.is_cuda, self.sequence_parallel):
             return in_tracker_fork(self.dropout, x)
         return self.dropout(x)
 
@@ -94,6 +95,7 @@ def mark_sequence_parallel(adapter: LoRAAdapter) -> None:
     whole = adapter.lora_A if adapter.parallel == "column" else adapter.lora_B
     whole.sequence_parallel = True
     adapter.split_input = True
+    adapter.sequence_parallel = True
 
 
 def adapters_of(linear: nn.Module) -> Dict[str, LoRAAdapter]:

@@ -4,8 +4,8 @@ Where a tensor is split over TP ranks (attention heads, a row linear's input fea
 own mask, which megatron-core does by forking its tracker around the dropout. Traced by torch.compile, that fork's
 RNG-state swaps broke the layer's graph and dynamo then kept compiling torch.cuda's lazy-call frames: a compiled
 GPT-2 layer with attention dropout had not finished its first step after 7 minutes (H200, 2026-11-30). So the fork
-runs outside dynamo, as one graph break, and only where a split tensor needs it (TP > 1; at TP = 1 the tracker's
-stream is the default one's twin)."""
+runs outside dynamo, as one graph break, and only where a split tensor needs it (TP > 1 without SP; at TP = 1 the
+tracker's stream is the default one's twin)."""
 
 from __future__ import annotations
 
@@ -13,9 +13,11 @@ import torch
 from megatron.core import parallel_state, tensor_parallel
 
 
-def tracker_fork_needed(dropout_p: float, on_cuda: bool) -> bool:
-    """Whether a dropout of a TP-split tensor draws from the tracker: dropout on, CUDA, TP > 1, the tracker set."""
-    if not (dropout_p > 0 and on_cuda and parallel_state.model_parallel_is_initialized()
+def tracker_fork_needed(dropout_p: float, on_cuda: bool, sequence_parallel: bool) -> bool:
+    """Whether a dropout of a TP-split tensor inside a transformer layer forks the tracker: dropout on, CUDA,
+    TP > 1, the tracker set, and no sequence parallelism (megatron-core's block then runs every layer inside the
+    fork already)."""
+    if not (dropout_p > 0 and on_cuda and not sequence_parallel and parallel_state.model_parallel_is_initialized()
             and parallel_state.get_tensor_model_parallel_world_size() > 1):
         return False
     return tensor_parallel.get_cuda_rng_tracker().is_initialized()

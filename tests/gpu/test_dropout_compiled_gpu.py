@@ -1,8 +1,8 @@
-"""Compiled layers train with dropout on CUDA: GPT-2, BERT and T5 (whose HF configs default to dropout 0.1) at
-TP = 1, GPT-2 and T5 at TP = 2 without sequence parallelism and LoRA adapters at TP = 2 + SP, where attention
-dropout, T5's dropout before `wo` and peft's dropout of a split input draw from megatron-core's RNG tracker through a fork outside torch.compile (layers/rng_fork.py). Until that fork
-left dynamo's reach, a compiled GPT-2 layer with attention dropout did not finish its first step (H200,
-2026-11-30).
+"""Compiled layers train with dropout on CUDA (0.1, HF GPT-2's and BERT's default, set here through
+other_megatron_args): GPT-2, BERT and T5 at TP = 1; GPT-2 and T5 at TP = 2 without sequence parallelism, where
+attention dropout and T5's dropout before `wo` draw from megatron-core's RNG tracker through a fork outside
+torch.compile (layers/rng_fork.py); LoRA's adapter dropout at TP = 2 with and without SP. Until that fork left
+dynamo's reach, a compiled GPT-2 layer with attention dropout did not finish its first step (H200, 2026-11-30).
 
     python -m pytest -q tests/gpu/test_dropout_compiled_gpu.py
 """
@@ -38,6 +38,8 @@ def test_compiled_layers_train_with_dropout_tp2(family):
 
 
 @pytest.mark.two_gpus
-def test_compiled_lora_adapters_train_with_dropout_tp2_sp():
-    # peft's adapter dropout of an input split over TP ranks forks the tracker (layers/lora.py)
-    _check(run_on_ranks(partial(dropout_compiled_run, lora=True, tp=2, sp=True), 2)[0])
+@pytest.mark.parametrize("sp", [False, True])
+def test_compiled_lora_adapters_train_with_dropout_tp2(sp):
+    # peft's adapter dropout of an input split over TP ranks forks the tracker without SP (layers/lora.py); with
+    # SP megatron-core's block holds the fork around the layer
+    _check(run_on_ranks(partial(dropout_compiled_run, lora=True, tp=2, sp=sp), 2)[0])

@@ -28,14 +28,19 @@ CASES_1GPU = {
     "gpt2_fp8_tensorwise_compiled": dict(fp8_recipe="tensorwise"),
     "llama_fp8_delayed_compiled": dict(family="llama", fp8_recipe="delayed"),
     "gpt2_fp8_delayed_eager": dict(fp8_recipe="delayed", compile=False),
+    # eager current scaling: each use's scale falls back to a Python 1.0 (layers/fp8.amax_to_scale), which must not
+    # become a host-to-device copy inside the capture
+    "gpt2_fp8_tensorwise_eager": dict(fp8_recipe="tensorwise", compile=False),
 }
 CASES_2GPU = {
     "tp2_sp_compiled_dropout": dict(tp=2, sp=True, dropout=0.1),
     "llama_tp2_sp_compiled": dict(tp=2, sp=True, family="llama"),
     "dp2_distopt_compiled": dict(distopt=True),
     # TP without SP: attention dropout draws from megatron-core's tracker through a fork outside torch.compile
-    # (layers/attention._in_tracker_fork), captured with the graph-safe tracker's generators
+    # (layers/rng_fork.in_tracker_fork), captured with the graph-safe tracker's generators
     "tp2_compiled_dropout": dict(tp=2, dropout=0.1),
+    # FP8 at TP = 2 + SP: the linears run outside the compiled graphs (their collectives), eager casts included
+    "tp2_sp_fp8_tensorwise_compiled": dict(tp=2, sp=True, fp8_recipe="tensorwise"),
 }
 
 
