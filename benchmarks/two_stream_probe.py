@@ -115,7 +115,7 @@ def main():
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # as engine/full_graph.py: NCCL's watchdog
             out = fn()
         ms = cuda_seconds_per_call(graph.replay, iters=20, warmup=3, before=dist.barrier) * 1e3
         results[name] = (ms, [o.clone() for o in out])
