@@ -12,7 +12,10 @@ captured in one CUDA graph and replayed (as the full-iteration graph runs a step
   on that group's one NCCL stream, in the order the host issued them, so B's gathers wait behind all of A's;
 - two streams, two communicators: B's collectives on a second process group of the same ranks (its own NCCL
   stream), so each chain waits only on itself and the GPU interleaves them;
-- interleaved issue, one communicator: one stream each, the host issuing A's and B's layers alternately.
+- interleaved issue, one communicator: one stream each, the host issuing A's and B's layers alternately;
+- Domino (DeepSpeed's TP overlap): one compute stream, every collective asynchronous on NCCL's stream and waited
+  for only where its micro-batch needs it, A's and B's ops issued alternately; no second stream, so no two
+  backward passes writing one main_grad at once.
 
 Prints each way's time and its gain over the sequential one, and fails unless every way computes the same
 numbers (within 1% of their largest). Hiding all of the step's collectives would be worth ~1.5x (138 ms -> 91); a gain near that says a
@@ -101,9 +104,38 @@ def main():
             here.wait_stream(s)
         return xs
 
+    def domino():
+        # DeepSpeed Domino's shape: one compute stream, each collective issued asynchronously (NCCL's own stream)
+        # and waited for by the stream only where its half needs it, the two halves' ops issued alternately
+        xs = list(inputs)
+
+        def start(op, out, x):
+            return op(out, x, async_op=True)
+
+        for wqkv, wproj, w1, w2 in weights:
+            wholes = [torch.empty(n, h, device="cuda", dtype=x.dtype) for x in xs]
+            works = [start(dist.all_gather_into_tensor, o, x) for o, x in zip(wholes, xs)]
+            parts = [torch.empty(n // world, h, device="cuda", dtype=x.dtype) for x in xs]
+            for i in range(2):
+                works[i].wait()
+                works[i] = start(dist.reduce_scatter_tensor, parts[i], (wholes[i] @ wqkv)[:, : h // world] @ wproj)
+            for i in range(2):
+                works[i].wait()
+                xs[i] = xs[i] + parts[i]
+                works[i] = start(dist.all_gather_into_tensor, wholes[i], xs[i])
+            parts = [torch.empty(n // world, h, device="cuda", dtype=x.dtype) for x in xs]
+            for i in range(2):
+                works[i].wait()
+                works[i] = start(dist.reduce_scatter_tensor, parts[i], F.gelu(wholes[i] @ w1) @ w2)
+            for i in range(2):
+                works[i].wait()
+                xs[i] = xs[i] + parts[i]
+        return xs
+
     ways = {"sequential, one stream": sequential, "two streams, one communicator": two_streams([None, None]),
             "two streams, two communicators": two_streams([None, second]),
-            "two streams issued layer by layer, one communicator": interleaved}
+            "two streams issued layer by layer, one communicator": interleaved,
+            "one stream, async collectives, halves alternating (Domino)": domino}
     results = {}
     for name, fn in ways.items():
         # warm-up on a side stream (communicators made, the allocator's blocks in place), then one graph
