@@ -130,9 +130,8 @@ def _tracker_fork_worker():
         fake_ps = SimpleNamespace(model_parallel_is_initialized=lambda: True,
                                   get_tensor_model_parallel_world_size=lambda: tp)
         with mock.patch.object(rng_fork, "tensor_parallel", fake_tp), mock.patch.object(rng_fork, "parallel_state",
-                                                                                         fake_ps), \
-                mock.patch("torch.cuda.is_available", lambda: cuda):
-            return attention._needs_tracker_fork(SimpleNamespace(sequence_parallel=sp), dropout)
+                                                                                         fake_ps):
+            return rng_fork.tracker_fork_needed(dropout, cuda, sp)
     out["needs"] = [needs(0.1, 2, False), needs(0.1, 1, False), needs(0.1, 2, True), needs(0.0, 2, False),
                     needs(0.1, 2, False, cuda=False)]
 
@@ -152,7 +151,7 @@ def _tracker_fork_worker():
         torch.manual_seed(3)
         default_before = torch.get_rng_state()
         with mock.patch.object(rng_fork, "tensor_parallel", fake_tp), \
-                mock.patch.object(attention, "_needs_tracker_fork", lambda c, p: p > 0):
+                mock.patch.object(rng_fork, "tracker_fork_needed", lambda p, on_cuda, sp: p > 0):
             losses = [fn(q, k, v)]
             first = counters["stats"]["unique_graphs"]
             losses += [fn(q, k, v) for _ in range(2)]

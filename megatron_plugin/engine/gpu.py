@@ -309,7 +309,8 @@ class MegatronCoreEngine(MegatronEngine):
     def __init__(self, chunks, user_optimizer, dummy_scheduler, plugin, train_step, device, dtype,
                  compile_kwargs: Optional[dict] = None):
         patches.require("MegatronCoreEngine", "foreach_clip")
-        if full_iteration_graph(plugin) is not None:
+        graph_warmup = full_iteration_graph(plugin)
+        if graph_warmup is not None:
             # The backward syncs with the stream each weight's gradient accumulator was made on, and DDP's hooks
             # make them below: made on the legacy default stream, that sync inside the capture is illegal
             # (cudaErrorStreamCaptureImplicit, H200, 2026-11-30). megatron-core's graph managers switch the
@@ -368,9 +369,8 @@ class MegatronCoreEngine(MegatronEngine):
         # the step's FP8 weight copies compiled with the layers' backend (layers/fp8.cache_weights)
         self._fp8_backend = compile_backend(compile_kwargs) if compile_kwargs is not None else None
         self._unsettled_fp8 = [st for st in self._fp8_states if st.scale is not None and not st.settled]
-        warmup = full_iteration_graph(plugin)
-        self.full_graph = None if warmup is None else FullIterationGraph(
-            warmup, device, places=self._graph_places, generators=_tracker_generators)
+        self.full_graph = None if graph_warmup is None else FullIterationGraph(
+            graph_warmup, device, places=self._graph_places, generators=_tracker_generators)
 
     def train(self, mode: bool = True):
         super().train(mode)

@@ -32,7 +32,7 @@ from ..errors import MegatronPluginConfigError
 from .comm import all_gather_last_dim
 from .context_parallel import check_context_parallel, gather_sequence
 from .masks import causal_mask
-from .rng_fork import in_tracker_fork, tracker_fork_needed
+from .rng_fork import dropout_call
 
 
 # Megatron-Core's attention backends -> torch SDPA kernels (in order of preference); None: torch picks. TE's
@@ -55,12 +55,6 @@ def sdpa_kernels(config: TransformerConfig):
     if not isinstance(backend, AttnBackend):  # a name (other_megatron_args), as mcore's argparse takes it
         backend = AttnBackend[str(backend).lower()] if not isinstance(backend, bool) else AttnBackend.auto
     return SDPA_KERNELS[backend]
-
-
-def _needs_tracker_fork(config: TransformerConfig, dropout_p: float) -> bool:
-    """Attention dropout forks megatron-core's tracker where the heads differ across TP ranks (layers/rng_fork.py);
-    with sequence parallelism megatron-core's block runs every layer inside that fork already."""
-    return tracker_fork_needed(dropout_p, torch.cuda.is_available(), config.sequence_parallel)
 
 
 class SDPAttention(MegatronModule):
@@ -142,8 +136,9 @@ class SDPAttention(MegatronModule):
         dropout_p = self.dropout_p if self.training else 0.0
         kwargs = dict(attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=self.softmax_scale,
                       enable_gqa=self.groups != self.heads)
-        out = (in_tracker_fork(self._attend, q, k, v, kwargs) if _needs_tracker_fork(self.config, dropout_p)
-               else self._attend(q, k, v, kwargs))
+        # the heads differ across TP ranks: their dropout draws from megatron-core's tracker (layers/rng_fork.py)
+        out = dropout_call(self._attend, q, k, v, kwargs, dropout_p=dropout_p, on_cuda=q.is_cuda,
+                           sequence_parallel=self.config.sequence_parallel)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
 
     def _attend(self, q, k, v, kwargs):
@@ -164,9 +159,8 @@ class SDPAttention(MegatronModule):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         dropout_p = self.dropout_p if self.training else 0.0
         kwargs = dict(dropout_p=dropout_p, scale=self.softmax_scale, enable_gqa=self.groups != self.heads)
-        args = (q, k, v, kwargs, attention_mask, causal, sq)
-        out = (in_tracker_fork(self._attend_context_parallel, *args) if _needs_tracker_fork(self.config, dropout_p)
-               else self._attend_context_parallel(*args))
+        out = dropout_call(self._attend_context_parallel, q, k, v, kwargs, attention_mask, causal, sq,
+                           dropout_p=dropout_p, on_cuda=q.is_cuda, sequence_parallel=self.config.sequence_parallel)
         return out.permute(2, 0, 1, 3).reshape(sq, b, self.heads * self.head_dim)
 
     def _attend_context_parallel(self, q, k, v, kwargs, attention_mask, causal, sq):

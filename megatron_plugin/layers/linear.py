@@ -9,7 +9,7 @@ from megatron.core.tensor_parallel import RowParallelLinear as _McoreRowParallel
 from . import compiled_linear
 from .fp8 import fp8_forward, state_of as fp8_state_of
 from .lora import adapters_of, fused_column_forward, lora_delta
-from .rng_fork import in_tracker_fork, tracker_fork_needed
+from .rng_fork import dropout_call
 from .sp_comm import gather_first_dim
 
 
@@ -203,8 +203,6 @@ class DropoutInputRowParallelLinear(RowParallelLinear):
     def forward(self, input_, *args, **kwargs):
         p = self.config.hidden_dropout
         if self.training and p > 0:
-            if tracker_fork_needed(p, input_.is_cuda, self.config.sequence_parallel):
-                input_ = in_tracker_fork(torch.nn.functional.dropout, input_, p, True)
-            else:
-                input_ = torch.nn.functional.dropout(input_, p, True)
+            input_ = dropout_call(torch.nn.functional.dropout, input_, p, True, dropout_p=p, on_cuda=input_.is_cuda,
+                                  sequence_parallel=self.config.sequence_parallel)
         return super().forward(input_, *args, **kwargs)

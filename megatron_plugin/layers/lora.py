@@ -27,7 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .rng_fork import in_tracker_fork, tracker_fork_needed
+from .rng_fork import dropout_call
 from .sp_comm import gather_first_dim, reduce_scatter_first_dim
 
 # Parts of a fused output, in the order Megatron lays them out per group (QKV) or per rank (gate/up).
@@ -80,8 +80,9 @@ class LoRAAdapter(nn.Module):
         rank."""
         if not (self.training and isinstance(self.dropout, nn.Dropout)):
             return x
-        if self.split_input and tracker_fork_needed(self.dropout.p, x.is_cuda, self.sequence_parallel):
-            return in_tracker_fork(self.dropout, x)
+        if self.split_input:
+            return dropout_call(self.dropout, x, dropout_p=self.dropout.p, on_cuda=x.is_cuda,
+                                sequence_parallel=self.sequence_parallel)
         return self.dropout(x)
 
     def up(self, h: torch.Tensor) -> torch.Tensor:

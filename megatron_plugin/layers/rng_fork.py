@@ -28,3 +28,11 @@ def in_tracker_fork(fn, *args):
     """`fn(*args)` inside the tracker's fork, run eagerly between the compiled graphs around it."""
     with tensor_parallel.get_cuda_rng_tracker().fork():
         return fn(*args)
+
+
+def dropout_call(fn, *args, dropout_p: float, on_cuda: bool, sequence_parallel: bool):
+    """`fn(*args)` (a dropout of a TP-split tensor, or what contains one) inside the tracker's fork where
+    `tracker_fork_needed` says so, else as it is."""
+    if tracker_fork_needed(dropout_p, on_cuda, sequence_parallel):
+        return in_tracker_fork(fn, *args)
+    return fn(*args)
