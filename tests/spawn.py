@@ -10,8 +10,10 @@ ones. `MP_TEST_FRESH=1` starts new processes for every call instead.
 from __future__ import annotations
 
 import atexit
+import faulthandler
 import os
 import queue
+import signal
 import socket
 import sys
 import tempfile
@@ -55,6 +57,9 @@ def _reset_process_state():
 
 def _run_task(rank, world_size, task):
     port, out_dir, fn, args, env = task
+    # a timed-out task asks its workers for their stacks (SIGUSR1) before killing them: where a GPU run hung
+    stacks = open(_stack_file(out_dir, rank), "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     saved_env = dict(os.environ)
     os.environ.update(env)
     os.environ.update(
@@ -70,9 +75,15 @@ def _run_task(rank, world_size, task):
         torch.save(report, path + ".tmp")  # renamed when complete: the parent never reads half a file
         os.replace(path + ".tmp", path)
     finally:
+        faulthandler.unregister(signal.SIGUSR1)
+        stacks.close()
         _reset_process_state()
         os.environ.clear()
         os.environ.update(saved_env)
+
+
+def _stack_file(out_dir: str, rank: int) -> str:
+    return os.path.join(out_dir, f"rank{rank}.stacks")
 
 
 def _worker(rank, world_size, tasks):
@@ -139,6 +150,22 @@ def _close_pools():
     _POOLS.clear()
 
 
+def _stacks(pool: _Pool, out_dir: str) -> str:
+    """Every worker's Python stacks (all threads), asked for by SIGUSR1: where each rank waits."""
+    for p in pool.procs:
+        if p.is_alive():
+            os.kill(p.pid, signal.SIGUSR1)
+    time.sleep(2)
+    parts = []
+    for rank in range(pool.world_size):
+        try:
+            with open(_stack_file(out_dir, rank)) as f:
+                parts.append(f"\n--- rank {rank} stacks ---\n{f.read()}")
+        except OSError:
+            pass
+    return "".join(parts)
+
+
 def run_on_ranks(fn, world_size: int, *args, env: dict | None = None):
     """Run `fn(*args)` on `world_size` processes; return the list of their return values.
     Raises with the failing rank's traceback, or if the processes outlive the timeout.
@@ -169,15 +196,17 @@ def _run_on_ranks_once(fn, world_size: int, *args, env: dict | None = None):
                 if got is not None and not got["ok"]:
                     return f"rank {rank} of {world_size} failed:\n{got['error']}"
 
+        name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", repr(fn))
         deadline = time.time() + TIMEOUT_S
         while True:
             done = all(os.path.exists(os.path.join(out_dir, f"rank{r}.pt")) for r in range(world_size))
             if done:
                 break
             # A failed rank leaves its peers waiting in a collective: stop them now.
-            error = failure() or (time.time() > deadline and f"{fn.__name__} timed out after {TIMEOUT_S}s")
+            error = failure() or (time.time() > deadline and f"{name} timed out after {TIMEOUT_S}s"
+                                  + _stacks(pool, out_dir))
             if not error and not pool.alive():
-                error = f"a worker process died while running {fn.__name__}"
+                error = f"a worker process died while running {name}"
             if error:
                 pool.kill()
                 _POOLS.pop(world_size, None)

@@ -1,0 +1,199 @@
+"""Can Inductor hide TP = 2 + SP's collectives itself, forward and backward, if each compiled layer runs its batch as
+two halves? The two-stream probe (benchmarks/two_stream_probe.py, two H200s, 2026-11-30) timed DeepSpeed Domino's
+way by hand, forward only: 1.33x over one stream (11.66 against 15.53 ms), the best of its ways. Building that by
+hand means a layer forward of our own and a backward that issues its collectives asynchronously too. Inductor
+schedules compute around collectives it can see (`_c10d_functional` ops): given two independent halves in one
+graph it may interleave them as Domino does, in the compiled backward as well. This probe asks whether it does.
+
+An SP transformer layer at GPT-2 774M's shapes (layer norm, sequence all-gather, qkv GEMM, causal SDPA, proj
+GEMM, reduce-scatter, layer norm, all-gather, fc1, GELU, fc2, reduce-scatter; torch's autograd-aware functional
+collectives), `--layers` deep, each layer compiled, forward and backward of one micro-batch captured in one CUDA
+graph and replayed (as the full-iteration graph runs a step), one process a GPU:
+
+    torchrun --nproc-per-node 2 benchmarks/compiler_overlap_probe.py
+
+Ways: the whole micro-batch; its two halves (along the batch) one after the other inside each compiled layer, or
+interleaved by hand as Domino orders them (each stage's collectives for both halves issued first);
+the halves under Inductor's overlap scheduler (`aten_distributed_optimizations.enable_overlap_scheduling`) and
+with and without its pre-bucketing of collectives, and under its older reordering passes
+(`reorder_for_compute_comm_overlap`); the whole batch under the scheduler (what it
+finds within one chain). Prints each way's time and gain over the whole batch compiled, and fails unless every
+way's output and weight gradients match the first's (1% of their largest). `--device cpu` (gloo, no graph, tiny
+shapes) checks the ways' numbers only.
+"""
+
+import argparse
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed import _functional_collectives as fc
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=1280)
+    p.add_argument("--heads", type=int, default=20)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=8, help="sequences in the micro-batch")
+    p.add_argument("--layers", type=int, default=12)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    args = p.parse_args()
+    cuda = args.device == "cuda"
+    if not cuda:  # a numbers-only check: small enough for two CPU cores
+        args.hidden, args.heads, args.seq, args.batch, args.layers = 64, 4, 16, 4, 2
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = torch.device(args.device)
+    group = dist.group.WORLD
+    h, heads, s, b = args.hidden, args.heads // world, args.seq, args.batch
+    dtype = torch.bfloat16 if cuda else torch.float32
+    g = torch.Generator(device=device).manual_seed(rank)
+
+    def rand(*shape, scale=0.05):
+        return (torch.randn(*shape, generator=g, device=device, dtype=dtype) * scale).requires_grad_()
+
+    weights = [(rand(h, 3 * h // world), rand(h // world, h), rand(h, 4 * h // world), rand(4 * h // world, h))
+               for _ in range(args.layers)]
+    x0 = rand(s // world, b, h, scale=1.0)
+
+    def layer(x, wqkv, wproj, w1, w2):
+        # x: [s / TP, b, h], megatron-core's SP layout
+        sb = x.shape[1]
+        full = fc.all_gather_tensor_autograd(F.layer_norm(x, (h,)).contiguous(), 0, group)
+        q, k, v = (full @ wqkv).view(s, sb, 3, heads, -1).permute(2, 1, 3, 0, 4).unbind(0)
+        att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, s, d]
+        att = att.permute(2, 0, 1, 3).reshape(s, sb, h // world)
+        x = x + fc.reduce_scatter_tensor_autograd(att @ wproj, "sum", 0, group)
+        full = fc.all_gather_tensor_autograd(F.layer_norm(x, (h,)).contiguous(), 0, group)
+        return x + fc.reduce_scatter_tensor_autograd(F.gelu(full @ w1) @ w2, "sum", 0, group)
+
+    def halves(x, *w):
+        a, c = x.chunk(2, dim=1)
+        return torch.cat([layer(a.contiguous(), *w), layer(c.contiguous(), *w)], dim=1)
+
+    def domino(x, wqkv, wproj, w1, w2):
+        # Domino's order written out: each stage's collective for both halves issued before either half's compute
+        # that needs it (functional collectives wait at first use), so one half's collective can run under the
+        # other's GEMMs
+        xs = [t.contiguous() for t in x.chunk(2, dim=1)]
+        sb = xs[0].shape[1]
+        fulls = [fc.all_gather_tensor_autograd(F.layer_norm(t, (h,)).contiguous(), 0, group) for t in xs]
+        parts = []
+        for full in fulls:
+            q, k, v = (full @ wqkv).view(s, sb, 3, heads, -1).permute(2, 1, 3, 0, 4).unbind(0)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, sb, h // world)
+            parts.append(fc.reduce_scatter_tensor_autograd(att @ wproj, "sum", 0, group))
+        xs = [t + part for t, part in zip(xs, parts)]
+        fulls = [fc.all_gather_tensor_autograd(F.layer_norm(t, (h,)).contiguous(), 0, group) for t in xs]
+        parts = [fc.reduce_scatter_tensor_autograd(F.gelu(full @ w1) @ w2, "sum", 0, group) for full in fulls]
+        return torch.cat([t + part for t, part in zip(xs, parts)], dim=1)
+
+    def knobs(**settings):
+        import torch._inductor.config as inductor
+
+        def apply():
+            torch._dynamo.reset()  # each way compiles anew under its own settings
+            for k, v in settings.items():
+                obj, name = inductor, k
+                while "." in name:
+                    head, name = name.split(".", 1)
+                    obj = getattr(obj, head)
+                setattr(obj, name, v)
+        return apply
+
+    def overlap_scheduler_known():
+        import torch._inductor.config as inductor
+
+        return hasattr(getattr(inductor, "aten_distributed_optimizations", None), "enable_overlap_scheduling")
+
+    default = dict(reorder_for_compute_comm_overlap=False)
+    if overlap_scheduler_known():
+        default["aten_distributed_optimizations.enable_overlap_scheduling"] = False
+    ways = {
+        "whole batch, eager": (layer, False, default),
+        "whole batch, compiled": (layer, True, default),
+        "two halves, compiled": (halves, True, default),
+        "two halves, compiled, reorder passes": (halves, True, dict(
+            default, reorder_for_compute_comm_overlap=True,
+            reorder_for_compute_comm_overlap_passes=["sink_waits", "raise_comms", "reorder_compute_for_overlap"])),
+        "two halves interleaved by hand (Domino), compiled": (domino, True, default),
+        "two halves interleaved by hand, compiled, reorder passes": (domino, True, dict(
+            default, reorder_for_compute_comm_overlap=True,
+            reorder_for_compute_comm_overlap_passes=["sink_waits", "raise_comms", "reorder_compute_for_overlap"])),
+    }
+    if overlap_scheduler_known():
+        sched = dict(default, **{"aten_distributed_optimizations.enable_overlap_scheduling": True})
+        ways["two halves, compiled, overlap scheduler"] = (halves, True, sched)
+        # its FSDP-minded pre-bucketing merges collectives of one kind (the two halves' gathers into one)
+        ways["two halves, compiled, overlap scheduler, no bucketing"] = (halves, True, dict(
+            sched, **{"aten_distributed_optimizations.pre_bucketing_fsdp_collectives": False}))
+        ways["whole batch, compiled, overlap scheduler"] = (layer, True, sched)
+    elif rank == 0:
+        print("this torch has no aten_distributed_optimizations.enable_overlap_scheduling: those ways left out")
+
+    results = {}
+    for name, (fn, compiled, settings) in ways.items():
+        knobs(**settings)()
+        step_fn = torch.compile(fn, fullgraph=True) if compiled else fn
+
+        def step():
+            for ws in weights:
+                for w in ws:
+                    w.grad = None
+            x = x0
+            for w in weights:
+                x = step_fn(x, *w)
+            x.float().square().mean().backward()
+            return [x.detach()] + [w.grad for ws in weights for w in ws]
+
+        try:
+            if cuda:
+                side = torch.cuda.Stream()  # warm-up (compiles, communicators, allocator blocks) off the legacy stream
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        step()
+                torch.cuda.current_stream().wait_stream(side)
+                torch.cuda.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                    out = step()
+                from bench_steps import cuda_seconds_per_call
+
+                ms = cuda_seconds_per_call(graph.replay, iters=20, warmup=3, before=dist.barrier) * 1e3
+            else:
+                t0 = time.perf_counter()
+                out = step()
+                ms = (time.perf_counter() - t0) * 1e3
+            results[name] = (ms, [o.clone() for o in out])
+        except Exception as e:  # a way this torch cannot compile or capture: say so, time the others
+            if rank == 0:
+                print(f"  {name}: failed ({type(e).__name__}: {str(e).splitlines()[0][:200]})")
+            dist.barrier()
+    first_name = next(iter(results))
+    _, ref = results[first_name]
+    base = results.get("whole batch, compiled", results[first_name])[0]
+    wrong = []
+    if rank == 0:
+        print(f"{args.layers} SP layers, forward and backward, hidden {h}, {args.heads} heads, {b} x {s} tokens, "
+              f"TP = {world}" + (", each way one CUDA graph replayed" if cuda else " (CPU: numbers only)"))
+    for name, (ms, out) in results.items():
+        diff = max(((a.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-30)).item()
+                   for a, r in zip(out, ref))
+        if diff > 1e-2:
+            wrong.append(name)
+        if rank == 0:
+            print(f"  {name:58s} {ms:8.3f} ms  {base / ms:5.2f}x  (largest difference {diff:.1e} of the largest)")
+    dist.destroy_process_group()
+    if wrong:
+        sys.exit(f"rank {rank}: {wrong} computed other numbers than '{first_name}'")
+
+
+if __name__ == "__main__":
+    main()
