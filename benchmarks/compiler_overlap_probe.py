@@ -167,6 +167,9 @@ def main():
                 from bench_steps import cuda_seconds_per_call
 
                 ms = cuda_seconds_per_call(graph.replay, iters=20, warmup=3, before=dist.barrier) * 1e3
+                out = [o.clone() for o in out]
+                torch.cuda.synchronize()
+                graph.reset()  # NCCL destroys a communicator only once no graph holds its work: else the exit hangs
             else:
                 t0 = time.perf_counter()
                 out = step()

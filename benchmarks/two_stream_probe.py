@@ -151,6 +151,7 @@ def main():
             out = fn()
         ms = cuda_seconds_per_call(graph.replay, iters=20, warmup=3, before=dist.barrier) * 1e3
         results[name] = (ms, [o.clone() for o in out])
+        graph.reset()  # NCCL destroys a communicator only once no graph holds its work: else the exit hangs
     base_ms, base_out = results["sequential, one stream"]
     if rank == 0:
         print(f"{args.layers} SP layers' forward at hidden {h}, two micro-batches of {args.batch} x {args.seq}, "

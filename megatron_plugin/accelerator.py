@@ -246,6 +246,9 @@ class Accelerator(accelerate.Accelerator):
                 self._engine.tensorboard.close()
             self._engine.manual_gc.stop()  # manual_gc: Python's collector back on
             from .engine.distributed import release_model_parallel
+            from .engine.full_graph import release_all
+
+            release_all()  # the full-iteration graphs, before NCCL's groups go (else their destroy never returns)
 
             self.wait_for_everyone()
             release_model_parallel()

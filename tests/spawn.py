@@ -13,6 +13,7 @@ import atexit
 import faulthandler
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -57,9 +58,6 @@ def _reset_process_state():
 
 def _run_task(rank, world_size, task):
     port, out_dir, fn, args, env = task
-    # a timed-out task asks its workers for their stacks (SIGUSR1) before killing them: where a GPU run hung
-    stacks = open(_stack_file(out_dir, rank), "w")
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     saved_env = dict(os.environ)
     os.environ.update(env)
     os.environ.update(
@@ -75,19 +73,17 @@ def _run_task(rank, world_size, task):
         torch.save(report, path + ".tmp")  # renamed when complete: the parent never reads half a file
         os.replace(path + ".tmp", path)
     finally:
-        faulthandler.unregister(signal.SIGUSR1)
-        stacks.close()
         _reset_process_state()
         os.environ.clear()
         os.environ.update(saved_env)
 
 
-def _stack_file(out_dir: str, rank: int) -> str:
-    return os.path.join(out_dir, f"rank{rank}.stacks")
-
-
-def _worker(rank, world_size, tasks):
+def _worker(rank, world_size, tasks, stack_path):
     torch.set_num_threads(1)
+    # a timed-out task asks its workers for their stacks (SIGUSR1) before killing them: where a GPU run hung, in a
+    # task or in the teardown after one (kept for the process's life: the teardown runs after the task's report)
+    stacks = open(stack_path, "w")
+    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     import warnings
 
     warnings.filterwarnings("ignore")
@@ -105,7 +101,10 @@ class _Pool:
         self.world_size = world_size
         ctx = mp.get_context("spawn")
         self.queues = [ctx.Queue() for _ in range(world_size)]
-        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.queues[r]), daemon=True)
+        self.stack_dir = tempfile.mkdtemp(prefix="spawn_stacks_")
+        self.stack_paths = [os.path.join(self.stack_dir, f"rank{r}.txt") for r in range(world_size)]
+        self.procs = [ctx.Process(target=_worker, args=(r, world_size, self.queues[r], self.stack_paths[r]),
+                                  daemon=True)
                       for r in range(world_size)]
         for p in self.procs:
             p.start()
@@ -119,6 +118,7 @@ class _Pool:
                 p.kill()
         for p in self.procs:
             p.join(timeout=5)
+        shutil.rmtree(self.stack_dir, ignore_errors=True)
 
     def close(self):
         for q in self.queues:
@@ -150,16 +150,18 @@ def _close_pools():
     _POOLS.clear()
 
 
-def _stacks(pool: _Pool, out_dir: str) -> str:
+def _stacks(pool: _Pool) -> str:
     """Every worker's Python stacks (all threads), asked for by SIGUSR1: where each rank waits."""
+    sizes = [os.path.getsize(p) if os.path.exists(p) else 0 for p in pool.stack_paths]
     for p in pool.procs:
         if p.is_alive():
             os.kill(p.pid, signal.SIGUSR1)
     time.sleep(2)
     parts = []
-    for rank in range(pool.world_size):
+    for rank, (path, size) in enumerate(zip(pool.stack_paths, sizes)):
         try:
-            with open(_stack_file(out_dir, rank)) as f:
+            with open(path) as f:
+                f.seek(size)
                 parts.append(f"\n--- rank {rank} stacks ---\n{f.read()}")
         except OSError:
             pass
@@ -204,7 +206,7 @@ def _run_on_ranks_once(fn, world_size: int, *args, env: dict | None = None):
                 break
             # A failed rank leaves its peers waiting in a collective: stop them now.
             error = failure() or (time.time() > deadline and f"{name} timed out after {TIMEOUT_S}s"
-                                  + _stacks(pool, out_dir))
+                                  + _stacks(pool))
             if not error and not pool.alive():
                 error = f"a worker process died while running {name}"
             if error:

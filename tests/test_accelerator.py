@@ -211,10 +211,17 @@ def _tensorboard_worker(log_dir):
         losses.append(engine(**batch).loss.item())
         lrs.append(sched.get_last_lr()[0])
         norms.append(acc.clip_grad_norm_(engine.parameters(), 1.0).item())
+    # a full-iteration graph's stand-in (CUDA only): end_training drops it before the groups go (NCCL waits for it)
+    from megatron_plugin.engine.full_graph import Captured, FullIterationGraph
+
+    graph = FullIterationGraph(1, torch.device("cpu"), places=lambda: [], generators=lambda: [])
+    resets = []
+    graph._captured["layout"] = Captured(type("G", (), {"reset": lambda self: resets.append(1)})(), [], None, 1, [])
     acc.end_training()  # the HF idiom: closes the writer (its scalars flushed) and every process group
     from megatron.core import parallel_state
 
     assert not torch.distributed.is_initialized() and not parallel_state.model_parallel_is_initialized()
+    assert resets == [1] and not graph._captured
     return losses, lrs, norms
 
 

@@ -220,3 +220,32 @@ def test_a_graph_holds_megatron_cores_shared_buffer(monkeypatch):
     held = _buffers_in_use()
     buffer.buffer[("mpu", torch.bfloat16)] = torch.empty(16, dtype=torch.bfloat16)  # a larger request replaced it
     assert len(held) == 1 and held[0] is first
+
+
+def test_process_teardown_drops_every_graph_before_the_groups_go(monkeypatch):
+    # NCCL destroys a communicator only after every graph that captured its work is gone: a graph left alive made
+    # destroy_process_group wait forever (two H200s, 2026-11-30). distributed.destroy (our harness, the atexit
+    # path) and Accelerator.end_training release every engine's graphs first.
+    from megatron_plugin.engine import distributed
+
+    resets, order = [], []
+
+    class Recorded(_ReplayOnCPU):
+        def _capture(self, micro_batches, schedule, step):
+            entry = super()._capture(micro_batches, schedule, step)
+            entry.graph.reset = lambda: resets.append(step)
+            return entry
+
+    graphs = [Recorded(1, torch.device("cpu"), places=lambda: [], generators=lambda: []) for _ in range(2)]
+    sched = _schedule([])
+    for g in graphs:
+        for s in range(3):
+            g.run(_batch(s), sched, step=s)
+        assert g.captures == 1 and len(g._captured) == 1
+    monkeypatch.setattr(distributed, "release_model_parallel", lambda: order.append(("groups", len(resets))))
+    distributed.destroy()
+    assert resets == [1, 1] and order == [("groups", 2)]  # both graphs reset, before megatron-core's groups went
+    assert all(not g._captured for g in graphs)
+    # a step after the release (a second training phase) captures again, eager steps not repeated
+    out = graphs[0].run(_batch(7), sched, step=9)
+    assert out[0]["loss"].item() == 7 and graphs[0].captures == 2 and graphs[0].eager_steps == 1

@@ -20,6 +20,7 @@ from ..layout import Layout, current_layout
 from ..models import check_model
 from ..placement import machine_names, placement
 from ..plugin import MegatronLMPlugin, full_iteration_graph
+from .full_graph import release_all
 
 logger = logging.getLogger(__name__)
 
@@ -176,6 +177,7 @@ def release_model_parallel() -> None:
 
 
 def destroy() -> None:
+    release_all()  # before any NCCL group goes (full_graph.release_all)
     release_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -19,6 +19,7 @@ that moved (offloaded and brought back) has the graphs captured again at the new
 from __future__ import annotations
 
 import logging
+import weakref
 from typing import Callable, Dict, List, Tuple
 
 import torch
@@ -29,6 +30,7 @@ from ..plugin import GRAPH_SETTING as SETTING, REMOVE_GRAPH
 logger = logging.getLogger(__name__)
 
 MAX_GRAPHS = 4  # batch layouts with a graph of their own; steps of further layouts run eagerly (with a warning)
+_LIVE: "weakref.WeakSet[FullIterationGraph]" = weakref.WeakSet()  # every one the process holds (release_all)
 
 
 def _facts(t: torch.Tensor) -> Tuple:
@@ -99,6 +101,15 @@ class FullIterationGraph:
         self._addresses = None
         self._pool = None
         self._warned = False
+        _LIVE.add(self)
+
+    def release(self) -> None:
+        """Drop every captured graph; a later step of a layout that ran before is captured again."""
+        for entry in self._captured.values():
+            entry.graph.reset()
+        self._captured.clear()
+        self._pool = None
+        self._addresses = None
 
     def _current_addresses(self) -> Tuple[int, ...]:
         return tuple(t.data_ptr() for t in self._places())
@@ -177,6 +188,20 @@ class FullIterationGraph:
             dist.barrier()
         self._pool = graph.pool() if self._pool is None else self._pool
         return Captured(graph, static, result, step, held=_buffers_in_use())
+
+
+def release_all() -> None:
+    """Drop the captured graphs of every engine in the process, before its process groups are destroyed. NCCL
+    (2.26 and later) destroys a communicator only once every CUDA graph that captured work on it is gone, and an
+    engine's graphs go only with the engine (which Python's cycle collector frees when it runs): so
+    `destroy_process_group` (accelerate's `end_training`, our test harness between tasks) waited forever with the
+    graph alive (two H200s, 2026-11-30: a two-GPU graph test, then the next task never started; NVIDIA's CUDA-graph
+    troubleshooting guide lists the same hang)."""
+    graphs = list(_LIVE)
+    for g in graphs:
+        g.release()
+    if graphs and torch.cuda.is_available():
+        torch.cuda.synchronize()  # a replay still running holds its graph's NCCL references until it ends
 
 
 def _buffers_in_use() -> List[torch.Tensor]:

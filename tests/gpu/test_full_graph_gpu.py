@@ -61,6 +61,10 @@ def _compare(kwargs, nproc, tmp_path):
     assert graph["rng_moved"] == eager["rng_moved"]  # a replay advances the dropout stream as the eager step does
     if kwargs.get("dropout"):
         assert graph["rng_moved"]
+    # the same workers take the next task: their teardown (destroy_process_group) came back, which NCCL does only
+    # once the graphs holding its communicators' work are gone (full_graph.release_all; before it the next task
+    # never started, 2026-11-30)
+    assert run_on_ranks(abs, nproc, -3) == [3] * nproc
 
 
 @pytest.mark.parametrize("name", list(CASES_1GPU))
