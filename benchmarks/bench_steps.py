@@ -192,6 +192,26 @@ class StepWatch:
         return out
 
 
+def captured(fn, warmup=2):
+    """(graph, what `fn()` returned while captured): `fn` called `warmup` times on a side stream (compiles,
+    communicators, the allocator's blocks in place), then captured as one CUDA graph, in thread-local mode as
+    engine/full_graph.py (NCCL's watchdog thread queries events meanwhile). Reset the graph before the process
+    group is destroyed: NCCL waits for every graph that holds its work."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+        out = fn()
+    return graph, out
+
+
 def cuda_seconds_per_call(fn, iters=20, warmup=3, before=None):
     """Seconds one call of `fn` takes on the GPU, averaged over `iters` calls after `warmup` untimed ones (the
     probes' timer: nccl_bandwidth, async_tp_probe, embedding_backward_probe). `before` runs once between the two,

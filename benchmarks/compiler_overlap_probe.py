@@ -32,6 +32,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.distributed import _functional_collectives as fc
 
+# torch 2.13's name (2.11's, on the GPU machines, is the older one, deprecated in 2.13)
+gather_autograd = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
+scatter_autograd = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
+
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -65,13 +69,13 @@ def main():
     def layer(x, wqkv, wproj, w1, w2):
         # x: [s / TP, b, h], megatron-core's SP layout
         sb = x.shape[1]
-        full = fc.all_gather_tensor_autograd(F.layer_norm(x, (h,)).contiguous(), 0, group)
+        full = gather_autograd(F.layer_norm(x, (h,)).contiguous(), 0, group)
         q, k, v = (full @ wqkv).view(s, sb, 3, heads, -1).permute(2, 1, 3, 0, 4).unbind(0)
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [b, heads, s, d]
         att = att.permute(2, 0, 1, 3).reshape(s, sb, h // world)
-        x = x + fc.reduce_scatter_tensor_autograd(att @ wproj, "sum", 0, group)
-        full = fc.all_gather_tensor_autograd(F.layer_norm(x, (h,)).contiguous(), 0, group)
-        return x + fc.reduce_scatter_tensor_autograd(F.gelu(full @ w1) @ w2, "sum", 0, group)
+        x = x + scatter_autograd(att @ wproj, "sum", 0, group)
+        full = gather_autograd(F.layer_norm(x, (h,)).contiguous(), 0, group)
+        return x + scatter_autograd(F.gelu(full @ w1) @ w2, "sum", 0, group)
 
     def halves(x, *w):
         a, c = x.chunk(2, dim=1)
@@ -83,15 +87,15 @@ def main():
         # other's GEMMs
         xs = [t.contiguous() for t in x.chunk(2, dim=1)]
         sb = xs[0].shape[1]
-        fulls = [fc.all_gather_tensor_autograd(F.layer_norm(t, (h,)).contiguous(), 0, group) for t in xs]
+        fulls = [gather_autograd(F.layer_norm(t, (h,)).contiguous(), 0, group) for t in xs]
         parts = []
         for full in fulls:
             q, k, v = (full @ wqkv).view(s, sb, 3, heads, -1).permute(2, 1, 3, 0, 4).unbind(0)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, sb, h // world)
-            parts.append(fc.reduce_scatter_tensor_autograd(att @ wproj, "sum", 0, group))
+            parts.append(scatter_autograd(att @ wproj, "sum", 0, group))
         xs = [t + part for t, part in zip(xs, parts)]
-        fulls = [fc.all_gather_tensor_autograd(F.layer_norm(t, (h,)).contiguous(), 0, group) for t in xs]
-        parts = [fc.reduce_scatter_tensor_autograd(F.gelu(full @ w1) @ w2, "sum", 0, group) for full in fulls]
+        fulls = [gather_autograd(F.layer_norm(t, (h,)).contiguous(), 0, group) for t in xs]
+        parts = [scatter_autograd(F.gelu(full @ w1) @ w2, "sum", 0, group) for full in fulls]
         return torch.cat([t + part for t, part in zip(xs, parts)], dim=1)
 
     def knobs(**settings):
@@ -154,18 +158,9 @@ def main():
 
         try:
             if cuda:
-                side = torch.cuda.Stream()  # warm-up (compiles, communicators, allocator blocks) off the legacy stream
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        step()
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-                    out = step()
-                from bench_steps import cuda_seconds_per_call
+                from bench_steps import captured, cuda_seconds_per_call
 
+                graph, out = captured(step)
                 ms = cuda_seconds_per_call(graph.replay, iters=20, warmup=3, before=dist.barrier) * 1e3
                 out = [o.clone() for o in out]
                 torch.cuda.synchronize()

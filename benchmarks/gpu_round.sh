@@ -51,7 +51,12 @@
 #               with the distributed optimizer), then the DP = 2 row with the graph               ~9 min
 #   two_gpu_overlap (nvidia-h200-x2) whether Inductor hides SP's collectives itself when each compiled layer runs two
 #               halves of its batch (benchmarks/compiler_overlap_probe.py: forward and backward, its overlap scheduler
-#               and reordering passes; the hand-made Domino forward won 1.33x in two_stream_probe)          ~4 min
+#               and reordering passes; the hand-made Domino forward won 1.33x in two_stream_probe), then the
+#               TP = 2 + SP row with the graph that two_gpu_domino's rows are held against                  ~6 min
+#   two_gpu_domino (nvidia-h200-x2) the same on the real model (benchmarks/domino_patch.py, an experiment): TP = 2 + SP at
+#               774M with the graph, the SP collectives visible to Inductor (whole batch), then each compiled layer
+#               on two halves (Inductor's default order, its reordering passes, its overlap scheduler); each row's
+#               warm-up losses against two_gpu_overlap's baseline row                                      ~8 min
 #   two_gpu_graph_rest (nvidia-h200-x2) the two-GPU graph cases not yet passed, each arm capped at 180 s by the test
 #               harness, which then prints every rank's Python stacks (llama_tp2_sp_compiled hung > 7 min on
 #               2026-11-30, no error), then the DP = 2 row with the graph                                  ~8 min
@@ -81,7 +86,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_graph_rest | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_domino | two_gpu_graph_rest | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -198,8 +203,18 @@ case "$stage" in
     $T --sizes 774m --modes megatron_compile --steps 10 --warmup 3 --nproc 2 --distopt --full_graph 2>&1 \
       | tee -a "$out/two_gpu_full_graph.log" ;;
   two_gpu_overlap)
-    timeout 420 torchrun --nproc-per-node 2 benchmarks/compiler_overlap_probe.py 2>&1 \
-      | tee "$out/compiler_overlap_probe.log" ;;
+    # one row in torchrun directly (not through the driver): a capped torchrun takes its workers down with it
+    L="--one --size 774m --mode megatron_compile --steps 10 --warmup 3 --tp 2 --sp --full_graph"
+    T="torchrun --nproc-per-node 2 benchmarks/train_throughput.py"
+    timeout 360 torchrun --nproc-per-node 2 benchmarks/compiler_overlap_probe.py 2>&1 \
+      | tee "$out/compiler_overlap_probe.log"
+    timeout 170 $T $L 2>&1 | tee "$out/two_gpu_overlap_baseline.log" ;;
+  two_gpu_domino)
+    L="--one --size 774m --mode megatron_compile --steps 10 --warmup 3 --tp 2 --sp --full_graph"
+    T="torchrun --nproc-per-node 2 benchmarks/train_throughput.py"
+    for mode in visible halves halves_reorder halves_sched; do
+      timeout 140 $T $L --domino $mode --cpp_wrapper off  # under the graph the wrapper costs no GPU time
+    done 2>&1 | tee "$out/two_gpu_domino.log" ;;
   two_gpu_graph_rest)
     F=tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step_2gpu
     MP_TEST_TIMEOUT=180 timeout 420 python -m pytest -v -rs --durations 0 "$F[llama_tp2_sp_compiled]" \

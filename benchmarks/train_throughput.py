@@ -176,6 +176,11 @@ def build_step(args):
     if args.mode in ("megatron", "megatron_compile"):
         from torch.utils.data import DataLoader
 
+        if args.domino:
+            import domino_patch
+
+            domino_patch.install(args.domino)
+
         from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
 
         dp = world // (args.tp * args.pp * args.cp)
@@ -205,7 +210,7 @@ def build_step(args):
         batches = iter(loader)
 
         def step():
-            engine(**next(batches))
+            return engine(**next(batches)).loss
     else:
         from accelerate import Accelerator
 
@@ -245,8 +250,9 @@ def measure(args):
     from bench_steps import StepWatch, host_report
 
     step, cfg, world = build_step(args)
-    for _ in range(args.warmup):
-        step()
+    # the warm-up steps' losses (same seed, data and weights in every arm): an arm that computes otherwise shows
+    warm_losses = [step() for _ in range(args.warmup)]
+    warm_losses = [round(float(x), 5) for x in warm_losses if x is not None]
     torch.cuda.synchronize()
     static_mem = torch.cuda.memory_allocated()  # weights, gradient buffers and optimizer state
     torch.cuda.reset_peak_memory_stats()
@@ -273,6 +279,7 @@ def measure(args):
     if args.mode.startswith("megatron"):
         variant += "".join(f"+{f}" for f in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion",
                                              "tp_comm_overlap", "full_graph") if getattr(args, f))
+        variant += f" domino={args.domino}" if args.domino else ""
     if args.compile_mode and args.mode.endswith("compile"):
         variant += f" mode={args.compile_mode}"
     if args.lora_r:
@@ -291,6 +298,7 @@ def measure(args):
         "mfu": round(flops / peak_flops(name), 3), "peak_mem_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
         "static_mem_gib": round(static_mem / 2**30, 2),
         "params": n_params, "device": name, "step_ms": step_ms, **watch.report(), "host": host,
+        "warmup_losses": warm_losses,
     }
     if int(os.environ.get("RANK", "0")) == world - 1:
         print("RESULT " + json.dumps(result), flush=True)
@@ -307,6 +315,7 @@ def drive(args):
             cmd += ["--fp8_all_layers"] if args.fp8 and args.fp8_all_layers else []
             cmd += ["--manual_gc", str(args.manual_gc)] if args.manual_gc is not None else []
             cmd += ["--cpp_wrapper", args.cpp_wrapper]
+            cmd += ["--domino", args.domino] if args.domino else []
             cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion",
                                              "tp_comm_overlap", "full_graph") if getattr(args, flag)]
             if args.nproc > 1:
@@ -367,6 +376,9 @@ def parser(description=__doc__.splitlines()[0]):
                         "cuda_graph_scope='full_iteration'), captured in the last warm-up step")
     p.add_argument("--tp_comm_overlap", action="store_true",
                    help="megatron: other_megatron_args={'tp_comm_overlap': True} (SP's collectives overlapped with the GEMMs)")
+    p.add_argument("--domino", default="", choices=["", "visible", "halves", "halves_reorder", "halves_sched"],
+                   help="megatron_compile + SP: an experiment (benchmarks/domino_patch.py): each compiled layer runs "
+                        "two halves of its batch, the SP collectives visible to Inductor")
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--fused", action="store_true", help="megatron: MegatronLMPlugin(fused_kernels=True)")

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from bench_steps import cuda_seconds_per_call
+from bench_steps import captured, cuda_seconds_per_call
 
 
 def main():
@@ -138,17 +138,7 @@ def main():
             "one stream, async collectives, halves alternating (Domino)": domino}
     results = {}
     for name, fn in ways.items():
-        # warm-up on a side stream (communicators made, the allocator's blocks in place), then one graph
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # as engine/full_graph.py: NCCL's watchdog
-            out = fn()
+        graph, out = captured(fn)
         ms = cuda_seconds_per_call(graph.replay, iters=20, warmup=3, before=dist.barrier) * 1e3
         results[name] = (ms, [o.clone() for o in out])
         graph.reset()  # NCCL destroys a communicator only once no graph holds its work: else the exit hangs
