@@ -9,6 +9,11 @@ half's GEMMs, forward and backward, is what `benchmarks/compiler_overlap_probe.p
 Modes: `visible` (functional collectives, whole batch: the control), `halves` (two halves, Inductor's default
 order), `halves_reorder` (its reordering passes: sink waits, raise collectives, compute for overlap),
 `halves_sched` (its overlap scheduler, without FSDP-minded bucketing).
+
+    PYTHONPATH=. python benchmarks/domino_patch.py
+
+checks the patched path's numbers on CPU (two gloo ranks, TP = 2 + SP, the compiled path's ops run eagerly): the
+same three losses as the plain engine, the functional collectives and the halves counted.
 """
 
 from __future__ import annotations
@@ -28,7 +33,6 @@ def install(mode: str) -> None:
     # torch 2.13's name (2.11's, on the GPU machines, is the older one, deprecated in 2.13)
     gather_autograd = getattr(fc, "all_gather_single_autograd", None) or fc.all_gather_tensor_autograd
     scatter_autograd = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
-scatter_autograd = getattr(fc, "reduce_scatter_single_autograd", None) or fc.reduce_scatter_tensor_autograd
     ops_linear = linear._ops_linear
 
     def visible_ops_linear(layer, input, weight, kwargs):
@@ -86,3 +90,57 @@ scatter_autograd = getattr(fc, "reduce_scatter_single_autograd", None) or fc.red
             raise SystemExit(f"torch {torch.__version__} has no Inductor overlap scheduler: --domino halves_sched")
         inductor.aten_distributed_optimizations.enable_overlap_scheduling = True
         inductor.aten_distributed_optimizations.pre_bucketing_fsdp_collectives = False
+
+
+def _cpu_run(mode):
+    import torch
+    from torch.distributed import _functional_collectives as fc
+    from torch.utils.data import DataLoader
+
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+    from tests.models import tiny_gpt2
+    from tests.training import optimizer_for, token_dataset
+
+    calls = {"gathers": 0, "scatters": 0, "layer calls": 0}
+    if mode:
+        from megatron.core.transformer.transformer_layer import TransformerLayer
+
+        from megatron_plugin.layers import linear
+
+        def counted(fn, key):
+            def run(*args, **kwargs):
+                calls[key] += 1
+                return fn(*args, **kwargs)
+            return run
+
+        for names, key in ((("all_gather_single_autograd", "all_gather_tensor_autograd"), "gathers"),
+                           (("reduce_scatter_single_autograd", "reduce_scatter_tensor_autograd"), "scatters")):
+            for name in names:
+                if hasattr(fc, name):
+                    setattr(fc, name, counted(getattr(fc, name), key))
+        TransformerLayer.forward = counted(TransformerLayer.forward, "layer calls")
+        install(mode)
+        linear._as_ops = lambda layer: True  # the compiled layers' ops (CUDA, main_grad), eagerly on CPU
+        torch.compiler.is_compiling = lambda: True
+    model = tiny_gpt2()
+    opt = optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=2, sequence_parallelism=True))
+    engine, opt, sched, loader = acc.prepare(
+        model, opt, MegatronLMDummyScheduler(opt, total_num_steps=6, warmup_num_steps=2),
+        DataLoader(token_dataset(16, model.config.vocab_size), batch_size=4))
+    engine.train()
+    return [engine(**batch).loss.item() for batch, _ in zip(loader, range(3))], calls
+
+
+if __name__ == "__main__":
+    import os
+
+    os.environ["MP_TEST_FRESH"] = "1"  # the patches stay in their processes
+    from tests.spawn import run_on_ranks
+
+    plain, _ = run_on_ranks(_cpu_run, 2, "")[0]
+    for mode in ("visible", "halves"):
+        losses, calls = run_on_ranks(_cpu_run, 2, mode)[0]
+        print(f"{mode:8s} losses {losses} (plain {plain}); {calls}")
+        assert max(abs(a - b) for a, b in zip(losses, plain)) < 1e-5, (mode, losses, plain)
+        assert calls["gathers"] and calls["scatters"], calls
