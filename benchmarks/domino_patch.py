@@ -8,7 +8,9 @@ half's GEMMs, forward and backward, is what `benchmarks/compiler_overlap_probe.p
 
 Modes: `visible` (functional collectives, whole batch: the control), `halves` (two halves, Inductor's default
 order), `halves_reorder` (its reordering passes: sink waits, raise collectives, compute for overlap),
-`halves_sched` (its overlap scheduler, without FSDP-minded bucketing).
+`halves_sched` (its overlap scheduler, without FSDP-minded bucketing), `hand` (DeepSpeed Domino's own way, not
+Inductor's: the layer written out for two halves, run eagerly, each SP collective asynchronous in both directions
+as a pair of autograd nodes; GPT-2-style layers, other layers as before).
 
     PYTHONPATH=. python benchmarks/domino_patch.py
 
@@ -18,7 +20,66 @@ same three losses as the plain engine, the functional collectives and the halves
 
 from __future__ import annotations
 
-MODES = ("visible", "halves", "halves_reorder", "halves_sched")
+MODES = ("visible", "halves", "halves_reorder", "halves_sched", "hand")
+
+
+class _Box:
+    """One collective's handles: its work forward, its reverse's work and result backward."""
+    work = back_work = back_out = None
+
+
+def _issue(kind, x, group):
+    import torch.distributed as dist
+
+    x = x.contiguous()
+    if kind == "gather":
+        out = x.new_empty(x.shape[0] * group.size(), *x.shape[1:])
+        return out, dist.all_gather_into_tensor(out, x, group=group, async_op=True)
+    out = x.new_empty(x.shape[0] // group.size(), *x.shape[1:])
+    return out, dist.reduce_scatter_tensor(out, x, group=group, async_op=True)
+
+
+def _autograd_pair():
+    """(start, wait): an SP collective ("gather" along the sequence, or "scatter": the sum's share) issued
+    asynchronously by `start` and waited for by `wait` where its result is first needed. Backward, `wait`'s node
+    issues the reverse collective of its gradient and `start`'s node waits for it: whatever the autograd engine
+    runs between the two (the other half's backward) runs under it."""
+    import torch
+
+    reverse = {"gather": "scatter", "scatter": "gather"}
+
+    class Start(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, kind, group, box):
+            ctx.box = box
+            out, box.work = _issue(kind, x, group)
+            return out
+
+        @staticmethod
+        def backward(ctx, _):
+            ctx.box.back_work.wait()
+            return ctx.box.back_out, None, None, None
+
+    class Wait(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, out, kind, group, box):
+            ctx.kind, ctx.group, ctx.box = kind, group, box
+            box.work.wait()
+            return out.view_as(out)
+
+        @staticmethod
+        def backward(ctx, grad):
+            ctx.box.back_out, ctx.box.back_work = _issue(reverse[ctx.kind], grad, ctx.group)
+            return grad, None, None, None  # carries the order only: Start returns the collective's result
+
+    def start(x, kind, group):
+        box = _Box()
+        return Start.apply(x, kind, group, box), kind, group, box
+
+    def wait(started):
+        return Wait.apply(*started)
+
+    return start, wait
 
 
 def install(mode: str) -> None:
@@ -60,6 +121,9 @@ def install(mode: str) -> None:
     linear.RowParallelLinear._ops_forward = visible_row_ops_forward
     if mode == "visible":
         return
+    if mode == "hand":  # the plain ops where the hand-written layer does not run
+        linear._ops_linear = ops_linear
+        linear.RowParallelLinear._ops_forward = row_ops_forward
 
     layer_forward = TransformerLayer.forward
 
@@ -81,7 +145,7 @@ def install(mode: str) -> None:
             outs.append(layer_forward(self, **part))
         return torch.cat([o[0] for o in outs], dim=1), outs[0][1]
 
-    TransformerLayer.forward = halves_forward
+    TransformerLayer.forward = _hand_forward(layer_forward) if mode == "hand" else halves_forward
     if mode == "halves_reorder":
         inductor.reorder_for_compute_comm_overlap = True
         inductor.reorder_for_compute_comm_overlap_passes = ["sink_waits", "raise_comms", "reorder_compute_for_overlap"]
@@ -90,6 +154,85 @@ def install(mode: str) -> None:
             raise SystemExit(f"torch {torch.__version__} has no Inductor overlap scheduler: --domino halves_sched")
         inductor.aten_distributed_optimizations.enable_overlap_scheduling = True
         inductor.aten_distributed_optimizations.pre_bucketing_fsdp_collectives = False
+
+
+def _hand_forward(layer_forward):
+    """TransformerLayer.forward with GPT-2-style layers under SP (self-attention without rotary or q/k norms,
+    pre-norm, no cross-attention) run as DeepSpeed Domino runs them: the micro-batch in two halves along the batch,
+    each stage's collectives of both halves issued before either half's compute waits for its own."""
+    import torch
+    import torch.nn.functional as F
+    from megatron.core.transformer.identity_op import IdentityOp
+
+    from megatron_plugin.layers import compiled_linear
+
+    start, wait = _autograd_pair()
+
+    def local(x, layer):  # the GEMM alone, its weight gradient into main_grad where the layer fuses it
+        return compiled_linear.parallel_linear(x, layer.weight, None, "", False, compiled_linear.DGRAD_NONE,
+                                               fuse_wgrad=bool(layer.gradient_accumulation_fusion))
+
+    def add(residual, out, bias, p, training):
+        out = out + bias if bias is not None else out
+        return residual + F.dropout(out, p=p, training=training)
+
+    def bias_act(h, bias, act, gated):
+        h = h + bias if bias is not None else h
+        if gated:
+            gate, up = torch.chunk(h, 2, dim=-1)
+            return act(gate) * up
+        return act(h)
+
+    if torch.cuda.is_available():  # the elementwise pieces fused, as in a compiled layer (compiled inside `run` too)
+        add, bias_act = torch.compile(add, dynamic=False), torch.compile(bias_act, dynamic=False)
+
+    @torch.compiler.disable
+    def run(self, hidden, mask):
+        att, mlp, cfg = self.self_attention, self.mlp, self.config
+        group = att.linear_qkv.tp_group
+        b = hidden.shape[1]
+        rows = [slice(0, b // 2), slice(b // 2, b)]
+        xs = [hidden[:, r].contiguous() for r in rows]
+        masks = [mask[r] if mask is not None and mask.shape[0] == b else mask for r in rows]
+        hn = att.hidden_size_per_attention_head
+        per_group = att.num_attention_heads_per_partition // att.num_query_groups_per_partition
+        gathers = [start(self.input_layernorm(x), "gather", group) for x in xs]
+        scatters = []
+        for full, m in zip(gathers, masks):
+            mixed = local(wait(full), att.linear_qkv)
+            if att.linear_qkv.bias is not None:
+                mixed = mixed + att.linear_qkv.bias
+            mixed = mixed.view(*mixed.shape[:2], att.num_query_groups_per_partition, (per_group + 2) * hn)
+            q, k, v = torch.split(mixed, [per_group * hn, hn, hn], dim=3)
+            q = q.reshape(q.size(0), q.size(1), -1, hn)
+            core = att.core_attention(q, k, v, m, attn_mask_type=att.attn_mask_type)
+            scatters.append(start(local(core, att.linear_proj), "scatter", group))
+        gathers = []
+        for i in range(2):
+            xs[i] = add(xs[i], wait(scatters[i]), att.linear_proj.bias, cfg.hidden_dropout, self.training)
+            gathers.append(start(self.pre_mlp_layernorm(xs[i]), "gather", group))
+        scatters = []
+        for full in gathers:
+            h = bias_act(local(wait(full), mlp.linear_fc1), mlp.linear_fc1.bias, mlp.activation_func,
+                         bool(cfg.gated_linear_unit))
+            scatters.append(start(local(h, mlp.linear_fc2), "scatter", group))
+        outs = [add(x, wait(sc), mlp.linear_fc2.bias, cfg.hidden_dropout, self.training) for x, sc in zip(xs, scatters)]
+        return torch.cat(outs, dim=1), None
+
+    def forward(self, *args, **kwargs):
+        hidden = kwargs.get("hidden_states")
+        att = getattr(self, "self_attention", None)
+        if (args or hidden is None or hidden.shape[1] < 2 or not self.config.sequence_parallel or att is None
+                or att.linear_qkv.tp_group is None or att.linear_qkv.tp_group.size() < 2
+                or not isinstance(self.cross_attention, IdentityOp)
+                or not all(isinstance(n, (type(None), IdentityOp)) for n in (att.q_layernorm, att.k_layernorm))
+                or att.config.num_query_groups < att.world_size
+                or any(kwargs.get(k) is not None for k in ("rotary_pos_emb", "context", "packed_seq_params",
+                                                           "inference_context", "attention_bias"))):
+            return layer_forward(self, *args, **kwargs)
+        return run(self, hidden, kwargs.get("attention_mask"))
+
+    return forward
 
 
 def _cpu_run(mode):
@@ -139,8 +282,10 @@ if __name__ == "__main__":
     from tests.spawn import run_on_ranks
 
     plain, _ = run_on_ranks(_cpu_run, 2, "")[0]
-    for mode in ("visible", "halves"):
+    for mode in ("visible", "halves", "hand"):
         losses, calls = run_on_ranks(_cpu_run, 2, mode)[0]
         print(f"{mode:8s} losses {losses} (plain {plain}); {calls}")
         assert max(abs(a - b) for a, b in zip(losses, plain)) < 1e-5, (mode, losses, plain)
-        assert calls["gathers"] and calls["scatters"], calls
+        # the hand-written layers call no layer forward of megatron-core's and no functional collective
+        assert (calls == {"gathers": 0, "scatters": 0, "layer calls": 0} if mode == "hand"
+                else calls["gathers"] and calls["scatters"]), calls

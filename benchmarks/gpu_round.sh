@@ -54,9 +54,10 @@
 #               and reordering passes; the hand-made Domino forward won 1.33x in two_stream_probe), then the
 #               TP = 2 + SP row with the graph that two_gpu_domino's rows are held against                  ~6 min
 #   two_gpu_domino (nvidia-h200-x2) the same on the real model (benchmarks/domino_patch.py, an experiment): TP = 2 + SP at
-#               774M with the graph, the SP collectives visible to Inductor (whole batch), then each compiled layer
-#               on two halves (Inductor's default order, its reordering passes, its overlap scheduler); each row's
-#               warm-up losses against two_gpu_overlap's baseline row                                      ~8 min
+#               774M with the graph: DeepSpeed Domino's way by hand (two halves, asynchronous collectives both
+#               ways), then each compiled layer on two halves with its SP collectives visible to Inductor (its
+#               reordering passes, its default order); `two_gpu_domino halves_sched visible` for the others. Each
+#               row's warm-up losses against two_gpu_overlap's baseline row                               ~7 min
 #   two_gpu_graph_rest (nvidia-h200-x2) the two-GPU graph cases not yet passed, each arm capped at 180 s by the test
 #               harness, which then prints every rank's Python stacks (llama_tp2_sp_compiled hung > 7 min on
 #               2026-11-30, no error), then the DP = 2 row with the graph                                  ~8 min
@@ -212,8 +213,11 @@ case "$stage" in
   two_gpu_domino)
     L="--one --size 774m --mode megatron_compile --steps 10 --warmup 3 --tp 2 --sp --full_graph"
     T="torchrun --nproc-per-node 2 benchmarks/train_throughput.py"
-    # the likeliest winner first; the control (visible: functional collectives, whole batch) last, cut if time runs out
-    for mode in halves_reorder halves halves_sched visible; do
+    # modes as arguments after the stage (what the probe favoured first), else three: DeepSpeed's way by hand, then
+    # Inductor's with its reordering passes, then its default order; the rest (halves_sched, and visible, the
+    # control: functional collectives on the whole batch) in a second call
+    shift
+    for mode in ${@:-hand halves_reorder halves}; do
       timeout 145 $T $L --domino $mode --cpp_wrapper off  # under the graph the wrapper costs no GPU time
     done 2>&1 | tee "$out/two_gpu_domino.log" ;;
   two_gpu_graph_rest)

@@ -376,9 +376,9 @@ def parser(description=__doc__.splitlines()[0]):
                         "cuda_graph_scope='full_iteration'), captured in the last warm-up step")
     p.add_argument("--tp_comm_overlap", action="store_true",
                    help="megatron: other_megatron_args={'tp_comm_overlap': True} (SP's collectives overlapped with the GEMMs)")
-    p.add_argument("--domino", default="", choices=["", "visible", "halves", "halves_reorder", "halves_sched"],
-                   help="megatron_compile + SP: an experiment (benchmarks/domino_patch.py): each compiled layer runs "
-                        "two halves of its batch, the SP collectives visible to Inductor")
+    p.add_argument("--domino", default="", choices=["", "visible", "halves", "halves_reorder", "halves_sched", "hand"],
+                   help="megatron_compile + SP: an experiment (benchmarks/domino_patch.py): each layer runs two "
+                        "halves of its batch so that one half's SP collectives run under the other's GEMMs")
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--fused", action="store_true", help="megatron: MegatronLMPlugin(fused_kernels=True)")
