@@ -222,9 +222,10 @@ case "$stage" in
     done 2>&1 | tee "$out/two_gpu_domino.log" ;;
   two_gpu_graph_rest)
     F=tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step_2gpu
-    MP_TEST_TIMEOUT=180 timeout 420 python -m pytest -v -rs --durations 0 "$F[llama_tp2_sp_compiled]" \
+    MP_TEST_TIMEOUT=180 timeout 390 python -m pytest -v -rs --durations 0 "$F[llama_tp2_sp_compiled]" \
       "$F[dp2_distopt_compiled]" "$F[tp2_sp_fp8_tensorwise_compiled]" 2>&1 | tee "$out/two_gpu_graph_rest.log"
-    timeout 150 $T --sizes 774m --modes megatron_compile --steps 10 --warmup 3 --nproc 2 --distopt --full_graph 2>&1 \
+    timeout 150 torchrun --nproc-per-node 2 benchmarks/train_throughput.py --one --size 774m --mode megatron_compile \
+      --steps 10 --warmup 3 --distopt --full_graph 2>&1 \
       | tee -a "$out/two_gpu_graph_rest.log" ;;
   full_graph_hf)
     # check 3 where the host counted (350M, 124M): the plugin with the full-iteration graph beside HF + compile
