@@ -115,6 +115,14 @@ def _comm_grads():
     z = reduce_scatter_first_dim(x, group)
     (z * (rank + 1)).sum().backward()
     out["rs"] = (z.detach(), x.grad.clone())
+    # the last-dimension gathers (vocab-parallel logits; a GQA layer's qkv when TP exceeds its KV heads)
+    from megatron_plugin.layers.comm import all_gather_last_dim, gather_tensor_parallel_last_dim
+
+    for name, gather in (("last", gather_tensor_parallel_last_dim), ("last_summed", all_gather_last_dim)):
+        x = torch.full((2, 2), float(rank + 1), requires_grad=True)
+        y = gather(x)
+        (y * torch.arange(4.0) * (rank + 1)).sum().backward()  # each rank weighs the whole gathered tensor its own way
+        out[name] = (y.detach(), x.grad.clone())
     return out
 
 
@@ -131,6 +139,12 @@ def test_sp_collectives_on_cpu_have_megatrons_gradients():
         assert torch.equal(got["rs"][0], (base * 3)[2 * rank:2 * rank + 2])
         # all-gathered: rank 0's rows carry its gradient 1, rank 1's its 2
         assert torch.equal(got["rs"][1], torch.tensor([[1.0, 1.0], [1.0, 1.0], [2.0, 2.0], [2.0, 2.0]]))
+        cols = slice(2 * rank, 2 * rank + 2)
+        for name in ("last", "last_summed"):
+            assert torch.equal(got[name][0], torch.tensor([[1.0, 1.0, 2.0, 2.0]] * 2))
+        # this rank's columns of its own gradient; of the gradients summed over ranks (x 1 + x 2)
+        assert torch.equal(got["last"][1], (torch.arange(4.0) * (rank + 1))[cols].expand(2, 2))
+        assert torch.equal(got["last_summed"][1], (torch.arange(4.0) * 3)[cols].expand(2, 2))
 
 
 @pytest.mark.parametrize("name", ["gpt2", "llama", "qwen2_moe", "qwen2_moe_etp1"])

@@ -42,16 +42,9 @@ def gather_tensor_parallel_last_dim(x: torch.Tensor) -> torch.Tensor:
     return _GatherLastDim.apply(x, group)
 
 
-class _AllGatherLastDim(torch.autograd.Function):
+class _AllGatherLastDim(_GatherLastDim):
     """All-gather along the last dimension whose backward sums every rank's gradient (reduce-scatter):
     for tensors that each rank goes on to use differently."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        parts = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim=-1)
 
     @staticmethod
     def backward(ctx, grad):

@@ -86,6 +86,13 @@ def _ops_linear(layer, input, weight, kwargs):
     )
 
 
+def _ops_or_fp8(layer, input, weight, kwargs):
+    """The linear as `compiled_linear` ops (`_as_ops`) or in FP8 (layers/fp8.py), where either applies; None
+    where megatron-core's own forward runs."""
+    out = _ops_linear(layer, input, weight, kwargs)
+    return out if out is not None else fp8_forward(layer, input, weight, kwargs)
+
+
 def _overlaps(layer) -> bool:
     """Megatron's `tp_comm_overlap` (other_megatron_args; plugin.check_tp_comm_overlap says where it runs): SP's
     collectives overlapped with the GEMMs next to them (`compiled_linear._ag_matmul`, `_matmul_rs`)."""
@@ -136,9 +143,7 @@ class ColumnParallelLinear(_McoreColumnParallelLinear):
                                  sharded_offsets, metadata)
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        out = _ops_linear(self, input, weight, kwargs)
-        if out is None:
-            out = fp8_forward(self, input, weight, kwargs)
+        out = _ops_or_fp8(self, input, weight, kwargs)
         if out is not None:
             return out
         if kwargs.get("sequence_parallel") and _cpu_sequence_parallel(self, input):
@@ -183,9 +188,7 @@ class RowParallelLinear(_McoreRowParallelLinear):
         return (out + self.bias if self.bias is not None else out), None
 
     def _forward_impl(self, input, weight, *args, **kwargs):
-        out = _ops_linear(self, input, weight, kwargs)
-        if out is None:
-            out = fp8_forward(self, input, weight, kwargs)
+        out = _ops_or_fp8(self, input, weight, kwargs)
         if out is not None:
             return out
         if kwargs.get("tp_group") is None:
