@@ -58,6 +58,8 @@
 #               ways), then each compiled layer on two halves with its SP collectives visible to Inductor (its
 #               reordering passes, its default order); `two_gpu_domino halves_sched visible` for the others. Each
 #               row's warm-up losses against two_gpu_overlap's baseline row                               ~7 min
+#   two_gpu_domino_profile [MODE] (nvidia-h200-x2) profiles of the TP = 2 + SP step with the graph, plain and with
+#               the Domino mode (default hand): kernels by kind, NCCL's share, the GPU's gaps              ~6 min
 #   two_gpu_graph_rest (nvidia-h200-x2) the two-GPU graph cases not yet passed, each arm capped at 180 s by the test
 #               harness, which then prints every rank's Python stacks (llama_tp2_sp_compiled hung > 7 min on
 #               2026-11-30, no error), then the DP = 2 row with the graph                                  ~8 min
@@ -87,7 +89,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_domino | two_gpu_graph_rest | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_domino | two_gpu_domino_profile | two_gpu_graph_rest | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -220,6 +222,12 @@ case "$stage" in
     for mode in ${@:-hand halves_reorder halves}; do
       timeout 145 $T $L --domino $mode --cpp_wrapper off  # under the graph the wrapper costs no GPU time
     done 2>&1 | tee "$out/two_gpu_domino.log" ;;
+  two_gpu_domino_profile)
+    # check 5 asks the TP = 2 + SP row with a profile: the plain step's beside the Domino mode's (default: hand)
+    P="benchmarks/profile_step.py --size 774m --mode megatron_compile --tp 2 --sp --full_graph --steps 3 --warmup 3 --gaps 25"
+    { timeout 200 torchrun --nproc-per-node 2 $P
+      timeout 200 torchrun --nproc-per-node 2 $P --domino "${2:-hand}" --cpp_wrapper off; } 2>&1 \
+      | tee "$out/two_gpu_domino_profile.log" ;;
   two_gpu_graph_rest)
     F=tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step_2gpu
     MP_TEST_TIMEOUT=180 timeout 390 python -m pytest -v -rs --durations 0 "$F[llama_tp2_sp_compiled]" \
