@@ -12,7 +12,6 @@ from __future__ import annotations
 import atexit
 import faulthandler
 import os
-import queue
 import shutil
 import signal
 import socket
