@@ -45,7 +45,9 @@ TOLERANCE = 0.01
 
 
 def arm_name(args) -> str:
-    return "bf16" if args.precision == "bf16" else f"fp8-{args.fp8}-{args.fp8_recipe}"
+    if args.precision == "bf16":
+        return "bf16"
+    return f"fp8-{args.fp8}-{args.fp8_recipe}" + ("-output" if getattr(args, "fp8_output_layer", False) else "")
 
 
 def tiny_config(seq, vocab):
@@ -134,7 +136,8 @@ def run_arm(args):
     model.to("cpu")  # the plugin copies the weights into its modules: the HF copy stays off the GPU
     if not cpu:
         torch.cuda.empty_cache()
-    fp8 = dict(fp8=args.fp8, fp8_recipe=args.fp8_recipe) if args.precision == "fp8" else {}
+    fp8 = dict(fp8=args.fp8, fp8_recipe=args.fp8_recipe, fp8_output_layer=bool(args.fp8_output_layer)) \
+        if args.precision == "fp8" else {}
     step = megatron_step(args, model, data, int(os.environ.get("WORLD_SIZE", "1")), 1,
                          compiled=args.mode == "megatron_compile", **fp8)
     del model
@@ -248,7 +251,10 @@ def drive(args):
     for size in args.sizes.split(","):
         for arm in args.arms.split(","):
             cmd = [sys.executable, os.path.abspath(__file__), "--one", "--size", size, "--out", args.out]
-            cmd += ["--precision", "bf16"] if arm == "bf16" else ["--precision", "fp8", "--fp8_recipe", arm]
+            # an FP8 arm is a recipe, "+output" for the output layer in FP8 too (fp8_output_layer)
+            recipe, _, extra = arm.partition("+")
+            cmd += ["--precision", "bf16"] if arm == "bf16" else ["--precision", "fp8", "--fp8_recipe", recipe]
+            cmd += ["--fp8_output_layer"] if extra == "output" else []
             for key in ("fp8", "mode", "device", "train_file", "vocab", "seq", "global_batch", "num_micro", "steps",
                         "seed", "compile_mode"):
                 cmd += [f"--{key}", str(getattr(args, key))]
@@ -264,7 +270,8 @@ def parser():
     p = dense_parser(__doc__.splitlines()[0])
     p.set_defaults(mode="megatron_compile", seq=512, global_batch=8, num_micro=1, steps=300, warmup=0,
                    fp8="hybrid", sizes="350m,llama-1b")
-    p.add_argument("--arms", default=",".join(ARMS), help="driver: bf16 and FP8 recipes (tensorwise, delayed, rowwise)")
+    p.add_argument("--arms", default=",".join(ARMS),
+                   help="driver: bf16 and FP8 recipes (tensorwise, delayed, rowwise; RECIPE+output: the output layer too)")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="one arm (--one)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda",
                    help="cpu: a smoke run of the script's logic (bf16 only; use --size tiny)")

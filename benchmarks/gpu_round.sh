@@ -19,7 +19,8 @@
 #   fp8_wrappers  FP8 tensorwise under each Inductor wrapper, now that the FP8 layer graphs have static sizes
 #               (the C++ wrapper's earlier 40 ms loss came with symbolic sizes): at 8 x 512 tokens, where the FP8 step
 #               waits on the host (0.81x bf16 before), bf16 beside it; then delayed at 2 x 2048 under the C++ one  ~7 min
-#   fp8_parity [RECIPE]  300 steps of Llama-1B, bf16 and FP8 (tensorwise unless named), on ~10 MB of docstrings
+#   fp8_parity [RECIPE]  300 steps of Llama-1B, bf16 and FP8 (tensorwise unless named; RECIPE+output: with
+#               fp8_output_layer), on ~10 MB of docstrings
 #               built there (from the packages installed there, so both arms in one call): the parity again after
 #               the forward's fast accumulation                                                   ~7 min
 #   steady      GPT-2 124M, five runs back to back (200 timed steps each), with the host
@@ -40,6 +41,8 @@
 #   fp8_graph   (nvidia-h200-x2, or one GPU with the tests in turn) FP8 under the full-iteration graph: its GPU tests
 #               (tensor-wise compiled, delayed compiled and eager, each against the eager step), then Llama-1B bf16,
 #               FP8 tensorwise and FP8 delayed, each with the graph (delayed was host-bound without it)   ~9 min
+#   fp8_output  (one H200) fp8_output_layer's GPU tests, then Llama-1B FP8 tensorwise with the output layer in FP8,
+#               and with every layer too, with the graph (against fp8_graph_rows' 69,990 and bf16's 64,031)  ~8 min
 #   dropout_tests (nvidia-h200-x2; one GPU runs the first half) compiled layers with dropout on (the tracker fork
 #               outside dynamo, 2026-11-30): tests/gpu/test_dropout_compiled_gpu.py and the full graph's
 #               gpt2_compiled_dropout on one GPU, then the two-GPU cases (tp2, and tp2_compiled_dropout's graph)  ~6 min
@@ -89,7 +92,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_domino | two_gpu_domino_profile | two_gpu_graph_rest | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | fp8_output | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_domino | two_gpu_domino_profile | two_gpu_graph_rest | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -183,6 +186,15 @@ case "$stage" in
       $T --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 4 --modes megatron_compile --steps 8 --warmup 3 \
         --full_graph $fp8
     done 2>&1 | tee "$out/fp8_graph_rows.log" ;;
+  fp8_output)
+    # check 3's FP8 row with the output layer (37 ms of the bf16 step over the 128k vocabulary) in FP8 too, then with
+    # every layer as well, each with the graph (GPU-bound); its GPU tests first
+    timeout 200 python -m pytest -v -rs --durations 0 tests/gpu/test_fp8_gpu.py -k output_layer 2>&1 \
+      | tee "$out/fp8_output.log"
+    for extra in "--fp8_output_layer" "--fp8_output_layer --fp8_all_layers"; do
+      $T --sizes llama-1b --seq 2048 --global_batch 8 --num_micro 4 --modes megatron_compile --steps 8 --warmup 3 \
+        --full_graph --fp8 hybrid --fp8_recipe tensorwise $extra
+    done 2>&1 | tee -a "$out/fp8_output.log" ;;
   dropout_tests)
     timeout 300 python -m pytest -v -rs --durations 0 -m "not two_gpus" tests/gpu/test_dropout_compiled_gpu.py \
       "tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step[gpt2_compiled_dropout]" \

@@ -193,6 +193,7 @@ def build_step(args):
                                   torch_compile=args.mode == "megatron_compile",
                                   fp8=args.fp8 or None, fp8_recipe=args.fp8_recipe,
                                   first_last_layers_bf16=not args.fp8_all_layers,
+                                  fp8_output_layer=bool(args.fp8 and args.fp8_output_layer),
                                   manual_gc=args.manual_gc is not None, manual_gc_interval=args.manual_gc or 0,
                                   other_megatron_args=megatron_args(args))
         dynamo = {}
@@ -285,7 +286,8 @@ def measure(args):
     if args.lora_r:
         variant += f" lora r={args.lora_r}"
     if args.fp8 and args.mode.startswith("megatron"):
-        variant += f" fp8={args.fp8}/{args.fp8_recipe}" + (" all layers" if args.fp8_all_layers else "")
+        variant += f" fp8={args.fp8}/{args.fp8_recipe}" + (" all layers" if args.fp8_all_layers else "") + (
+            " +output layer" if args.fp8_output_layer else "")
     if args.manual_gc is not None and args.mode.startswith("megatron"):
         variant += f" manual_gc={args.manual_gc}"
     if args.cpp_wrapper != "auto" and args.mode == "megatron_compile":
@@ -313,6 +315,7 @@ def drive(args):
                 cmd += [f"--{key}", str(getattr(args, key))]
             cmd += ["--fp8", args.fp8, "--fp8_recipe", args.fp8_recipe] if args.fp8 else []
             cmd += ["--fp8_all_layers"] if args.fp8 and args.fp8_all_layers else []
+            cmd += ["--fp8_output_layer"] if args.fp8 and args.fp8_output_layer else []
             cmd += ["--manual_gc", str(args.manual_gc)] if args.manual_gc is not None else []
             cmd += ["--cpp_wrapper", args.cpp_wrapper]
             cmd += ["--domino", args.domino] if args.domino else []
@@ -361,6 +364,8 @@ def parser(description=__doc__.splitlines()[0]):
                    help="megatron: MegatronLMPlugin(fp8=...): FP8 GEMMs in the transformer layers (SM >= 8.9)")
     p.add_argument("--fp8_recipe", default="delayed", choices=["delayed", "tensorwise", "rowwise"],
                    help="megatron: MegatronLMPlugin(fp8_recipe=...), with --fp8")
+    p.add_argument("--fp8_output_layer", action="store_true",
+                   help="megatron + --fp8: the output layer (vocabulary projection) in FP8 too (fp8_output_layer)")
     p.add_argument("--fp8_all_layers", action="store_true",
                    help="megatron, with --fp8: every transformer layer in FP8 (first_last_layers_bf16=False, "
                         "Megatron-LM's default)")

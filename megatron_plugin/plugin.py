@@ -413,6 +413,10 @@ class MegatronLMPlugin:
                                         "off in Megatron-LM: the layers most sensitive to FP8's range)"})
     num_layers_at_start_in_bf16: int = field(default=1, metadata={"help": "see first_last_layers_bf16"})
     num_layers_at_end_in_bf16: int = field(default=1, metadata={"help": "see first_last_layers_bf16"})
+    fp8_output_layer: bool = field(
+        default=False, metadata={"help": "with fp8: the output layer's GEMM (the projection onto the vocabulary, "
+                                         "tied to the embedding or not) in FP8 too; off: bf16, as Megatron-LM keeps "
+                                         "it (the logits' range is the widest in the model)"})
     # Megatron-LM's manual garbage collection (engine/manual_gc.py)
     manual_gc: bool = field(
         default=False, metadata={"help": "turn off Python's threshold-based garbage collector for the run and collect "
@@ -712,7 +716,10 @@ class MegatronLMPlugin:
         for name, low in (("fp8_margin", 0), ("fp8_amax_history_len", 1), ("num_layers_at_start_in_bf16", 0),
                           ("num_layers_at_end_in_bf16", 0)):
             self._require_whole(name, low)
-        self._require_switches("fp8_wgrad", "first_last_layers_bf16")
+        self._require_switches("fp8_wgrad", "first_last_layers_bf16", "fp8_output_layer")
+        if self.fp8_output_layer and not self.fp8:
+            raise MegatronPluginConfigError("fp8_output_layer", True, "it puts the output layer in FP8 alongside the "
+                                            "layers' linears: set fp8 ('hybrid' or 'e4m3') too, or leave it False")
 
     def _refuse_unsupported(self):
         """Settings of accelerate's plugin whose feature does not run here (see FIELD_STATUS)."""

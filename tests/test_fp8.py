@@ -687,6 +687,8 @@ def test_plugin_refusals():
         "history": (dict(fp8="e4m3", fp8_amax_history_len=0), "fp8_amax_history_len", ">= 1"),
         "margin": (dict(fp8="e4m3", fp8_margin=-1), "fp8_margin", ">= 0"),
         "wgrad": (dict(fp8="e4m3", fp8_wgrad="no"), "fp8_wgrad", "True or False"),
+        "output_layer": (dict(fp8="e4m3", fp8_output_layer="yes"), "fp8_output_layer", "True or False"),
+        "output_layer_alone": (dict(fp8_output_layer=True), "fp8_output_layer", "set fp8 ('hybrid' or 'e4m3')"),
     }
     for name, (kwargs, setting, words) in cases.items():
         check_refusal(refusal(MegatronLMPlugin, **kwargs), setting, words, exact=True, where=name)
@@ -742,15 +744,16 @@ def test_prepare_refuses_fp8_on_cpu_before_any_process_group():
 
 
 # -- in the model: which layers, and the TP + SP collectives around the FP8 GEMM ----------------------------
-def _layers_and_tp_sp(sp):
+def _layers_and_tp_sp(sp, output_layer=False):
     import os
 
     from megatron_plugin.layers.fp8 import attach_fp8, state_of
     from tests.models import megatron_twin, tiny_gpt2
 
     tp = int(os.environ["WORLD_SIZE"])
-    hf = tiny_gpt2(n_layer=4)
-    plugin = MegatronLMPlugin(tp_degree=tp, sequence_parallelism=sp, fp8="e4m3", fp8_recipe="tensorwise")
+    hf = tiny_gpt2(n_layer=4)  # its output layer tied to the embedding
+    plugin = MegatronLMPlugin(tp_degree=tp, sequence_parallelism=sp, fp8="e4m3", fp8_recipe="tensorwise",
+                              fp8_output_layer=output_layer)
     model = megatron_twin(hf, plugin).eval()
     for m in model.module.modules():  # as on the CUDA engine with gradient_accumulation_fusion
         if hasattr(m, "gradient_accumulation_fusion"):
@@ -806,6 +809,26 @@ def test_first_last_layers_stay_bf16_and_tp_collectives_hold(world_size, sp):
         assert r["grad_rel"]["decoder.layers.1.mlp.linear_fc1.weight"] > 0
     if world_size == 2:  # the TP ranks' losses agree: the sequence gathers and reductions ran
         assert results[0]["loss"] == results[1]["loss"]
+
+
+@pytest.mark.parametrize("world_size,sp", [(1, False), (2, True)], ids=["tp1", "tp2_sp"])
+def test_output_layer_in_fp8_when_asked(world_size, sp):
+    """fp8_output_layer: the output layer (tied to the embedding here) runs its GEMMs in FP8 too: its logits and
+    the shared weight's gradient (the output layer's FP8 part written first, the lookup's rows added) close to
+    bf16's and no longer equal to them."""
+    asked = run_on_ranks(_layers_and_tp_sp, world_size, sp, True)
+    plain = run_on_ranks(_layers_and_tp_sp, world_size, sp, False)
+    emb = "embedding.word_embeddings.weight"
+    for a, p in zip(asked, plain):
+        assert a["names"] == p["names"] + ["output_layer"] and "output_layer" not in p["names"]
+        fp8_loss, ref_loss = a["loss"]
+        assert abs(fp8_loss - ref_loss) / ref_loss < 1e-2, a["loss"]
+        # the logits now carry the output GEMM's FP8 error on top of the layers'; the shared weight's gradient too
+        assert p["logits_rel"] < a["logits_rel"] < 5e-2, (a["logits_rel"], p["logits_rel"])
+        assert p["grad_rel"][emb] < a["grad_rel"][emb] < 0.08, (a["grad_rel"][emb], p["grad_rel"][emb])
+    if world_size == 2:
+        assert asked[0]["loss"] == asked[1]["loss"]
+
 
 
 # -- accelerate's mixed_precision="fp8" ---------------------------------------------------------------------

@@ -516,10 +516,36 @@ def fits_fp8(linear) -> bool:
     return out_features % 16 == 0 and in_features % 16 == 0
 
 
+def _attach_output_layer(module, recipe: "FP8Recipe", plugin) -> List[str]:
+    """The output layer's FP8State (`fp8_output_layer`), on the stage that holds it. Tied to the embedding, its
+    weight is the embedding's, handed to each forward; its weight gradient goes into the shared main_grad first,
+    the lookup's rows added after, as in bf16 (engine/grad_buffers.written_first_by_gemm)."""
+    from ..errors import MegatronPluginConfigError
+
+    out = getattr(module, "output_layer", None)
+    if out is None:
+        return []
+    weight = out.weight
+    if weight is None and getattr(module, "share_embeddings_and_output_weights", False):
+        weight = module.shared_embedding_or_output_weight()
+    if weight is None or type(out).__module__ != f"{__package__}.linear":
+        raise MegatronPluginConfigError(
+            "fp8_output_layer", True, "the output layer is not megatron_plugin's linear (a custom_model_provider_"
+            "function's module: build it with megatron_plugin's models), so it cannot run in FP8: leave it False")
+    rows, cols = weight.shape
+    if rows % 16 or cols % 16:
+        raise MegatronPluginConfigError(
+            "fp8_output_layer", True, f"the output layer's weight shard is {rows} x {cols}; FP8 GEMMs need both "
+            "multiples of 16 (pad the vocabulary: make_vocab_size_divisible_by) or leave it False")
+    setattr(out, ATTR, FP8State(recipe, weight.device, weight))
+    return ["output_layer"]
+
+
 def attach_fp8(modules: Iterable[torch.nn.Module], plugin) -> List[str]:
     """Give the linears of the decoder layers that run in FP8 an FP8State; returns their names. Nothing when
-    `plugin.fp8` is unset. The embedding, the output layer and, with `first_last_layers_bf16`, the first and
-    last layers stay bf16, as do linears whose shard has a dimension that is not a multiple of 16."""
+    `plugin.fp8` is unset. The embedding and, with `first_last_layers_bf16`, the first and last layers stay bf16,
+    as do linears whose shard has a dimension that is not a multiple of 16; the output layer too unless
+    `fp8_output_layer`."""
     if not getattr(plugin, "fp8", None):
         return []
     from megatron.core.models.gpt import GPTModel
@@ -545,6 +571,8 @@ def attach_fp8(modules: Iterable[torch.nn.Module], plugin) -> List[str]:
                 setattr(linear, ATTR, FP8State(recipe, linear.weight.device, linear.weight))
                 names.append(f"decoder.layers.{layer.layer_number - 1}." + next(
                     n for n, m in layer.named_modules() if m is linear))
+        if getattr(plugin, "fp8_output_layer", False) and getattr(module, "post_process", False):
+            names += _attach_output_layer(module, recipe, plugin)
     meant = [layer for m in modules if getattr(m, "decoder", None) is not None for layer in m.decoder.layers
              if not is_bf16_layer(layer.layer_number - 1, layer.config.num_layers, plugin)]
     if meant and not names:

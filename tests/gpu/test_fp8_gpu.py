@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(
 STEPS = 20
 
 
-def _train(family, fp8, recipe, compiled, cpp_wrapper=None):
+def _train(family, fp8, recipe, compiled, cpp_wrapper=None, output_layer=False):
     """`cpp_wrapper`: None, as the engine chooses in a fresh process (Inductor's C++ wrapper for bf16 layers
     without collectives, the Python wrapper for FP8 layers); False, the Python wrapper; True, the C++ wrapper.
     The engine sets the C++ wrapper for the whole process, and the test workers are kept between tasks: each run
@@ -31,20 +31,21 @@ def _train(family, fp8, recipe, compiled, cpp_wrapper=None):
     if cpp_wrapper is not None:
         gpu_engine.use_cpp_wrapper = lambda: None
     try:
-        return _train_in(family, fp8, recipe, compiled)
+        return _train_in(family, fp8, recipe, compiled, output_layer)
     finally:
         inductor_config.cpp_wrapper, gpu_engine.use_cpp_wrapper = before, choose
         torch._dynamo.reset()
 
 
-def _train_in(family, fp8, recipe, compiled):
+def _train_in(family, fp8, recipe, compiled, output_layer=False):
     from torch.utils.data import DataLoader
 
     from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
     from megatron_plugin.layers.fp8 import state_of
     from tests.gpu.workers import MICRO, NUM_MICRO, dataset, gpu_model
 
-    plugin = MegatronLMPlugin(num_micro_batches=NUM_MICRO, torch_compile=compiled, fp8=fp8, fp8_recipe=recipe)
+    plugin = MegatronLMPlugin(num_micro_batches=NUM_MICRO, torch_compile=compiled, fp8=fp8, fp8_recipe=recipe,
+                              fp8_output_layer=output_layer)
     acc = Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16")
     hf = gpu_model(family)
     loader = DataLoader(dataset(STEPS * MICRO * NUM_MICRO, family=family), batch_size=MICRO, shuffle=False,
@@ -93,6 +94,21 @@ def test_fp8_tracks_bf16(family, recipe, compiled):
     assert a != b  # FP8 GEMMs ran (bf16 would give the reference's losses)
     assert got["settled"] == ([True] * 8 if recipe == "delayed" else []), got["settled"]
     assert got["cached"] == [False] * 8 and got["fused"] == [True] * 8, got
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])  # the output layer tied to the embedding / its own
+def test_fp8_output_layer_tracks_bf16(family, recipe):
+    """fp8_output_layer: the vocabulary projection in FP8 too (its weight gradient into main_grad: the shared
+    embedding's first, the lookup's rows added after), compiled layers; the losses track bf16's."""
+    ref = _bf16(family, True)
+    (got,) = run_on_ranks(_train, 1, family, "hybrid", recipe, True, None, True)
+    assert any(n.endswith("output_layer") for n in got["fp8_linears"]) and len(got["fp8_linears"]) == 9, got
+    a, b = got["losses"], ref["losses"]
+    assert all(x == x for x in a) and a[-1] < a[0] - 0.5, a
+    for i, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) / y < 0.05, (i, x, y)
+    assert got["cached"] == [False] * 9 and got["fused"] == [True] * 9, got
 
 
 @pytest.mark.parametrize("recipe", ["delayed", "tensorwise"])
