@@ -102,53 +102,14 @@ def main():
         parts = [scatter_autograd(F.gelu(full @ w1) @ w2, "sum", 0, group) for full in fulls]
         return torch.cat([t + part for t, part in zip(xs, parts)], dim=1)
 
-    # DeepSpeed Domino's way by hand, eagerly: each collective asynchronous in both directions, as two autograd
-    # nodes: `_Start` issues it, `_Wait` waits where the result is first needed; in the backward `_Wait`'s node
-    # issues the reverse collective of its gradient and `_Start`'s waits for it, so what the autograd engine runs
-    # between the two (the other half's backward) runs under it
-    reverse = {"gather": "scatter", "scatter": "gather"}
+    # DeepSpeed Domino's way by hand, eagerly: each collective asynchronous in both directions, an issue / wait pair
+    # of autograd nodes (domino_patch's, which the real layer's `--domino hand` uses too)
+    from domino_patch import _autograd_pair
 
-    class _Box:  # one collective's handles, forward and backward
-        work = back_work = back_out = None
-
-    def _issue(kind, x):
-        x = x.contiguous()
-        if kind == "gather":
-            out = x.new_empty(x.shape[0] * world, *x.shape[1:])
-            return out, dist.all_gather_into_tensor(out, x, group=group, async_op=True)
-        out = x.new_empty(x.shape[0] // world, *x.shape[1:])
-        return out, dist.reduce_scatter_tensor(out, x, group=group, async_op=True)
-
-    class _Start(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x, kind, box):
-            ctx.box = box
-            out, box.work = _issue(kind, x)
-            return out
-
-        @staticmethod
-        def backward(ctx, _):
-            ctx.box.back_work.wait()  # the reverse collective `_Wait`'s backward issued
-            return ctx.box.back_out, None, None
-
-    class _Wait(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, out, kind, box):
-            ctx.kind, ctx.box = kind, box
-            box.work.wait()
-            return out.view_as(out)
-
-        @staticmethod
-        def backward(ctx, grad):
-            ctx.box.back_out, ctx.box.back_work = _issue(reverse[ctx.kind], grad)
-            return grad, None, None  # only carries the order: `_Start` returns the collective's result
+    issue, wait = _autograd_pair()
 
     def start(x, kind):
-        box = _Box()
-        return _Start.apply(x, kind, box), box
-
-    def wait(started, kind):
-        return _Wait.apply(started[0], kind, started[1])
+        return issue(x, kind, group)
 
     def domino_eager(x, wqkv, wproj, w1, w2):
         xs = [t.contiguous() for t in x.chunk(2, dim=1)]
@@ -156,15 +117,15 @@ def main():
         gathers = [start(F.layer_norm(t, (h,)), "gather") for t in xs]
         scatters = []
         for g_ in gathers:
-            q, k, v = (wait(g_, "gather") @ wqkv).view(s, sb, 3, heads, -1).permute(2, 1, 3, 0, 4).unbind(0)
+            q, k, v = (wait(g_) @ wqkv).view(s, sb, 3, heads, -1).permute(2, 1, 3, 0, 4).unbind(0)
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True).permute(2, 0, 1, 3).reshape(s, sb, h // world)
             scatters.append(start(att @ wproj, "scatter"))
         gathers = []
         for i in range(2):
-            xs[i] = xs[i] + wait(scatters[i], "scatter")
+            xs[i] = xs[i] + wait(scatters[i])
             gathers.append(start(F.layer_norm(xs[i], (h,)), "gather"))
-        scatters = [start(F.gelu(wait(g_, "gather") @ w1) @ w2, "scatter") for g_ in gathers]
-        return torch.cat([t + wait(sc, "scatter") for t, sc in zip(xs, scatters)], dim=1)
+        scatters = [start(F.gelu(wait(g_) @ w1) @ w2, "scatter") for g_ in gathers]
+        return torch.cat([t + wait(sc) for t, sc in zip(xs, scatters)], dim=1)
 
     def knobs(**settings):
         import torch._inductor.config as inductor
