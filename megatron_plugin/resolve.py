@@ -35,7 +35,8 @@ from .engine.tensorboard import check_tensorboard
 from .errors import MegatronPluginConfigError
 from .fs import check_writable
 from .models import ModelFamily, check_model, check_moe_training
-from .models.convert import mcore_to_hf_sources
+from .layers.fp8 import check_output_layer as check_fp8_output_layer
+from .models.convert import mcore_to_hf_sources, model_dims
 from .plugin import (MegatronLMPlugin, check_compile, check_cpu_support, check_fp8, check_mixed_precision,
                      check_tp_comm_overlap, check_full_iteration_graph, refuse_with_full_iteration_graph,
                      resolve_train_step_class, uses_cuda_graphs)
@@ -265,6 +266,9 @@ def resolve(inputs: Inputs, plugin: MegatronLMPlugin, *, world_size: int, device
     family = check_model(plugin, hf_model.config, world_size=world_size)  # the plugin's one validation
     check_fp8(plugin, device_type, mixed_precision,
               non_decoder_family=None if family.build is None else family.name)
+    if plugin.fp8 and plugin.fp8_output_layer:  # its weight shard: [padded vocabulary / TP, hidden]
+        dims = model_dims(family, hf_model.config, plugin.make_vocab_size_divisible_by, plugin.tp_degree)
+        check_fp8_output_layer(dims.padded_vocab // plugin.tp_degree, dims.hidden)
     check_moe_training(plugin, hf_model.config)
     num_layers = family.num_layers(hf_model.config)
     if family.num_experts(hf_model.config) and plugin.tp_degree > 1 and not plugin.sequence_parallelism:

@@ -734,6 +734,27 @@ def _prepare_on_cpu():
             model, opt, MegatronLMDummyScheduler(opt, total_num_steps=4), DataLoader(token_dataset(8, 1000), batch_size=4))
 
     expect("cpu", prepare)
+
+    # fp8_output_layer on a vocabulary shard FP8 GEMMs cannot take (1000 rows, unpadded): refused from the model's
+    # sizes, before any process group (the device check passed by hand: a CPU has no FP8 GEMMs)
+    from megatron_plugin import plugin as plugin_module, resolve
+
+    def prepare_unpadded():
+        model = tiny_gpt2()
+        opt = optimizer_for(model)
+        plugin = MegatronLMPlugin(fp8="hybrid", fp8_output_layer=True, make_vocab_size_divisible_by=1,
+                                  first_last_layers_bf16=False)
+        Accelerator(megatron_lm_plugin=plugin, mixed_precision="bf16").prepare(
+            model, opt, MegatronLMDummyScheduler(opt, total_num_steps=4), DataLoader(token_dataset(8, 1000), batch_size=4))
+
+    checks = [(m, m.check_fp8) for m in (resolve, plugin_module)]  # prepare's check, and the CPU run's
+    for m, _ in checks:
+        m.check_fp8 = lambda *args, **kwargs: None
+    try:
+        expect("output_layer", prepare_unpadded)
+    finally:
+        for m, check in checks:
+            m.check_fp8 = check
     return out
 
 
@@ -741,6 +762,8 @@ def test_prepare_refuses_fp8_on_cpu_before_any_process_group():
     (got,) = run_on_ranks(_prepare_on_cpu, 1)
     check_refusal(got["cpu"], "fp8", "leave fp8 unset on CPU", exact=True)
     assert got["cpu"][2] is False
+    check_refusal(got["output_layer"], "fp8_output_layer", "1000 x 64", "make_vocab_size_divisible_by", exact=True)
+    assert got["output_layer"][2] is False
 
 
 # -- in the model: which layers, and the TP + SP collectives around the FP8 GEMM ----------------------------

@@ -505,38 +505,53 @@ def _fp8_linears(layer) -> List[torch.nn.Module]:
     for block, name in LINEAR_SLOTS:
         linear = getattr(getattr(layer, block, None), name, None)
         if (isinstance(linear, (ColumnParallelLinear, RowParallelLinear)) and linear.weight is not None
-                and type(linear).__module__ == f"{__package__}.linear"):
+                and _ours(linear)):
             found.append(linear)
     return found
 
 
+def _ours(linear) -> bool:
+    return type(linear).__module__ == f"{__package__}.linear"
+
+
+def _dims_fit(rows: int, cols: int) -> bool:
+    return rows % 16 == 0 and cols % 16 == 0
+
+
 def fits_fp8(linear) -> bool:
     """Both GEMM dimensions of the weight (this rank's shard) multiples of 16, as _scaled_mm needs."""
-    out_features, in_features = linear.weight.shape
-    return out_features % 16 == 0 and in_features % 16 == 0
+    return _dims_fit(*linear.weight.shape)
 
 
-def _attach_output_layer(module, recipe: "FP8Recipe", plugin) -> List[str]:
+def check_output_layer(rows: int, cols: int) -> None:
+    """`fp8_output_layer` on an output-layer weight shard of `rows` x `cols`: refused by name where `fits_fp8` would
+    keep it bf16. resolve asks it from the model's sizes before any process group, so that no pipeline stage is
+    left waiting for the last one's error."""
+    from ..errors import MegatronPluginConfigError
+
+    if not _dims_fit(rows, cols):
+        raise MegatronPluginConfigError(
+            "fp8_output_layer", True, f"the output layer's weight shard is {rows} x {cols}; FP8 GEMMs need both "
+            "multiples of 16 (pad the vocabulary: make_vocab_size_divisible_by) or leave it False")
+
+
+def _attach_output_layer(module, recipe: "FP8Recipe") -> List[str]:
     """The output layer's FP8State (`fp8_output_layer`), on the stage that holds it. Tied to the embedding, its
     weight is the embedding's, handed to each forward; its weight gradient goes into the shared main_grad first,
     the lookup's rows added after, as in bf16 (engine/grad_buffers.written_first_by_gemm)."""
-    from ..errors import MegatronPluginConfigError
-
     out = getattr(module, "output_layer", None)
     if out is None:
         return []
     weight = out.weight
     if weight is None and getattr(module, "share_embeddings_and_output_weights", False):
         weight = module.shared_embedding_or_output_weight()
-    if weight is None or type(out).__module__ != f"{__package__}.linear":
+    if weight is None or not _ours(out):
+        from ..errors import MegatronPluginConfigError
+
         raise MegatronPluginConfigError(
             "fp8_output_layer", True, "the output layer is not megatron_plugin's linear (a custom_model_provider_"
             "function's module: build it with megatron_plugin's models), so it cannot run in FP8: leave it False")
-    rows, cols = weight.shape
-    if rows % 16 or cols % 16:
-        raise MegatronPluginConfigError(
-            "fp8_output_layer", True, f"the output layer's weight shard is {rows} x {cols}; FP8 GEMMs need both "
-            "multiples of 16 (pad the vocabulary: make_vocab_size_divisible_by) or leave it False")
+    check_output_layer(*weight.shape)
     setattr(out, ATTR, FP8State(recipe, weight.device, weight))
     return ["output_layer"]
 
@@ -572,7 +587,7 @@ def attach_fp8(modules: Iterable[torch.nn.Module], plugin) -> List[str]:
                 names.append(f"decoder.layers.{layer.layer_number - 1}." + next(
                     n for n, m in layer.named_modules() if m is linear))
         if getattr(plugin, "fp8_output_layer", False) and getattr(module, "post_process", False):
-            names += _attach_output_layer(module, recipe, plugin)
+            names += _attach_output_layer(module, recipe)
     meant = [layer for m in modules if getattr(m, "decoder", None) is not None for layer in m.decoder.layers
              if not is_bf16_layer(layer.layer_number - 1, layer.config.num_layers, plugin)]
     if meant and not names:
