@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import logging
 import weakref
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -88,9 +88,15 @@ class FullIterationGraph:
     one (megatron-core's tracker)."""
 
     def __init__(self, warmup_steps: int, device: torch.device, places: Callable[[], List[torch.Tensor]],
-                 generators: Callable[[], List[torch.Generator]]):
+                 generators: Callable[[], List[torch.Generator]], stream: Optional[torch.cuda.Stream] = None):
         self.warmup_steps = warmup_steps
         self.device = device
+        # the stream to capture on: the one the weights' gradient accumulators (and DDP's hooks on them) were made
+        # on. Captured on another, each accumulator ran on its own stream beside the capturing one, and a gradient
+        # freed there went back to the capturing stream's pool while still being read: DP = 2's grad norm came out
+        # 1.3% off at the captured step and different run to run after (two H200s, 2026-11-30); on the
+        # accumulators' stream the graph trains bit for bit as the eager step
+        self.stream = stream
         self._places = places
         self._generators = generators
         self.eager_steps = 0
@@ -174,7 +180,7 @@ class FullIterationGraph:
         torch.cuda.synchronize()
         try:
             # one pool for every layout's graph: they never run at the same time, and results are copied out
-            with torch.cuda.graph(graph, pool=self._pool, stream=torch.cuda.Stream(),
+            with torch.cuda.graph(graph, pool=self._pool, stream=self.stream or torch.cuda.Stream(),
                                   capture_error_mode="thread_local"):
                 result = schedule(static)
         except Exception as e:

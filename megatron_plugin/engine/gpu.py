@@ -310,11 +310,13 @@ class MegatronCoreEngine(MegatronEngine):
                  compile_kwargs: Optional[dict] = None):
         patches.require("MegatronCoreEngine", "foreach_clip")
         graph_warmup = full_iteration_graph(plugin)
+        side = None
         if graph_warmup is not None:
             # The backward syncs with the stream each weight's gradient accumulator was made on, and DDP's hooks
             # make them below: made on the legacy default stream, that sync inside the capture is illegal
             # (cudaErrorStreamCaptureImplicit, H200, 2026-11-30). megatron-core's graph managers switch the
-            # process to a side stream for the same reason (transformer/cuda_graphs.py).
+            # process to a side stream for the same reason (transformer/cuda_graphs.py). The graph is captured on it
+            # too (FullIterationGraph's stream).
             side = torch.cuda.Stream(device)
             side.wait_stream(torch.cuda.current_stream(device))  # the weights' copies queued so far come first
             torch.cuda.set_stream(side)
@@ -370,7 +372,7 @@ class MegatronCoreEngine(MegatronEngine):
         self._fp8_backend = compile_backend(compile_kwargs) if compile_kwargs is not None else None
         self._unsettled_fp8 = [st for st in self._fp8_states if st.scale is not None and not st.settled]
         self.full_graph = None if graph_warmup is None else FullIterationGraph(
-            graph_warmup, device, places=self._graph_places, generators=_tracker_generators)
+            graph_warmup, device, places=self._graph_places, generators=_tracker_generators, stream=side)
 
     def train(self, mode: bool = True):
         super().train(mode)

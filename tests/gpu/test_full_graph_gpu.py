@@ -55,9 +55,10 @@ def _compare(kwargs, nproc, tmp_path):
     # captured once after 2 eager steps (the checkpoint load copies into the same weights and buffers: no new
     # capture), replayed every step after
     assert graph["captures"] == 1 and graph["replays"] == steps - 2, graph
-    # the same kernels on the same data: equal to the eager step up to the order of atomic adds
-    torch.testing.assert_close(graph["losses"], eager["losses"], rtol=2e-3, atol=0)
-    torch.testing.assert_close(graph["norms"], eager["norms"], rtol=1e-2, atol=0)
+    # the same kernels on the same data in the same order: bit for bit the eager step (a graph captured on another
+    # stream than the gradient accumulators' came out 1.3% off at DP = 2, 2026-11-30: engine/full_graph.py)
+    torch.testing.assert_close(graph["losses"], eager["losses"], rtol=0, atol=0)
+    torch.testing.assert_close(graph["norms"], eager["norms"], rtol=0, atol=0)
     assert graph["rng_moved"] == eager["rng_moved"]  # a replay advances the dropout stream as the eager step does
     if kwargs.get("dropout"):
         assert graph["rng_moved"]
