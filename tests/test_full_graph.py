@@ -249,3 +249,25 @@ def test_process_teardown_drops_every_graph_before_the_groups_go(monkeypatch):
     # a step after the release (a second training phase) captures again, eager steps not repeated
     out = graphs[0].run(_batch(7), sched, step=9)
     assert out[0]["loss"].item() == 7 and graphs[0].captures == 2 and graphs[0].eager_steps == 1
+
+
+def test_a_second_seeding_keeps_each_tracker_stream_object():
+    """A second `prepare` seeds megatron-core's graph-safe tracker again, which makes new generators; an engine's
+    captured graph keeps advancing the ones it registered. `keep_generators` puts the registered objects back,
+    re-seeded as the new ones were: one stream per name, starting where the new seeding starts it."""
+    from types import SimpleNamespace
+
+    from megatron_plugin.engine.distributed import keep_generators
+
+    registered = torch.Generator().manual_seed(7)
+    torch.rand(5, generator=registered)  # a first engine's steps advanced it
+    fresh = torch.Generator().manual_seed(1234)
+    plain = torch.zeros(3)  # a tracker of the other kind holds state tensors: left as they are
+    tracker = SimpleNamespace(states_={"model-parallel-rng": fresh, "data-parallel-rng": plain,
+                                       "expert-parallel-rng": torch.Generator().manual_seed(99)})
+    keep_generators({"model-parallel-rng": registered, "data-parallel-rng": torch.ones(3)}, tracker)
+    assert tracker.states_["model-parallel-rng"] is registered
+    assert tracker.states_["data-parallel-rng"] is plain
+    assert tracker.states_["expert-parallel-rng"].initial_seed() == 99  # new name: the new object stays
+    expected = torch.rand(4, generator=torch.Generator().manual_seed(1234))
+    assert torch.equal(torch.rand(4, generator=registered), expected)

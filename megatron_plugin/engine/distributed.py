@@ -137,9 +137,24 @@ def set_seed(seed: int, graph_safe: bool = False) -> None:
         from megatron.core.tensor_parallel import random as mcore_random
 
         current = mcore_random._CUDA_RNG_STATE_TRACKER  # a tracker of the other kind is made anew
+        before = dict(getattr(current, "states_", None) or {})
         tensor_parallel.model_parallel_cuda_manual_seed(
             seed, use_cudagraphable_rng=graph_safe,
             force_reset_rng=getattr(current, "use_cudagraphable_rng", graph_safe) != graph_safe)
+        keep_generators(before, mcore_random._CUDA_RNG_STATE_TRACKER)
+
+
+def keep_generators(before: dict, tracker) -> None:
+    """A graph-safe tracker seeded again (a second `prepare`) makes new generator objects, while an engine's
+    captured CUDA graph keeps advancing the ones it registered (engine/full_graph.py): its replays and its eager
+    steps would then draw from two streams, the new one repeating the old one's numbers. So each stream keeps
+    its object, re-seeded in place as the new one was (`manual_seed` keeps the state a graph registered)."""
+    states = getattr(tracker, "states_", None) or {}
+    for name, new in list(states.items()):
+        old = before.get(name)
+        if isinstance(old, torch.Generator) and isinstance(new, torch.Generator) and old is not new:
+            old.manual_seed(new.initial_seed())
+            states[name] = old
 
 
 _AT_EXIT = []

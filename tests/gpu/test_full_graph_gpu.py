@@ -23,6 +23,9 @@ CASES_1GPU = {
     "gpt2_eager": dict(compile=False),
     "llama_compiled": dict(family="llama"),
     "gpt2_compiled_dropout": dict(dropout=0.1),
+    # the seeds set again after the capture (a second prepare in the process): the replays must draw from the
+    # re-seeded streams as the eager steps do (distributed.keep_generators)
+    "gpt2_compiled_dropout_reseeded": dict(dropout=0.1, reseed_at=5),
     # FP8 (SM89 and later): each replay quantizes the weights anew; delayed scaling settles after the first step
     # (a new code path: eager once more, then captured)
     "gpt2_fp8_tensorwise_compiled": dict(fp8_recipe="tensorwise"),
@@ -39,6 +42,7 @@ CASES_2GPU = {
     # TP without SP: attention dropout draws from megatron-core's tracker through a fork outside torch.compile
     # (layers/rng_fork.in_tracker_fork), captured with the graph-safe tracker's generators
     "tp2_compiled_dropout": dict(tp=2, dropout=0.1),
+    "tp2_compiled_dropout_reseeded": dict(tp=2, dropout=0.1, reseed_at=5),
     # FP8 at TP = 2 + SP: the linears run outside the compiled graphs (their collectives), eager casts included
     "tp2_sp_fp8_tensorwise_compiled": dict(tp=2, sp=True, fp8_recipe="tensorwise"),
 }

@@ -278,10 +278,11 @@ def deferred_check_run():
 
 
 def full_graph_run(graph=True, tp=1, sp=False, distopt=False, compile=True, family="gpt2", dropout=0.0, steps=10,
-                   save_dir=None, fp8_recipe=None):
+                   save_dir=None, fp8_recipe=None, reseed_at=None):
     """Training steps with Megatron's full-iteration CUDA graph (engine/full_graph.py; captured after 2 eager steps)
     or without it, the same data and seed: the losses, grad norms and the graph's counts. With `save_dir`, a
-    save_state / load_state round trip after `steps - 3` steps (the RNG tracker's generators go through it)."""
+    save_state / load_state round trip after `steps - 3` steps (the RNG tracker's generators go through it). With
+    `reseed_at`, the seeds set again before that step, as a second `prepare` in the process does."""
     from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
 
     world = int(os.environ["WORLD_SIZE"])
@@ -302,6 +303,10 @@ def full_graph_run(graph=True, tp=1, sp=False, distopt=False, compile=True, fami
     engine.train()
     losses, norms, rng = [], [], []
     for i, batch in enumerate(loader):
+        if i == reseed_at:
+            from megatron_plugin.engine import distributed
+
+            distributed.set_seed(plugin.seed, graph_safe=graph)
         out = engine(**batch)
         losses.append(out.loss.item())
         norms.append(float(engine.last_grad_norm))
