@@ -66,6 +66,10 @@
 #   two_gpu_graph_rest (nvidia-h200-x2) every two-GPU graph case (bit for bit the eager step since the capture-stream
 #               fix, 2026-11-30), each arm capped at 180 s by the test harness, which then prints every rank's Python
 #               stacks, then the DP = 2 row with the graph (159,349 tok/s before the fix)                       ~8 min
+#   two_gpu_ce  (nvidia-h200-x2) SP's collectives on the copy engines (benchmarks/ce_collectives_patch.py, an experiment):
+#               first benchmarks/async_tp_probe.py (its last rows: NCCL's gather and reduce-scatter alone against
+#               symmetric memory's copy-engine ops), then TP = 2 + SP at 774M with the graph, the compiled linears'
+#               collectives on the copy engines (against 124,382 tok/s with NCCL), then the same without the graph  ~6 min
 #   full_graph_hf  (one H200) check 3 where the host counted: 350M and 124M, the plugin with the full-iteration
 #               graph beside HF + compile                                                          ~8 min
 #   two_gpu_dp    (nvidia-h200-x2) where DP = 2 at global 16 loses to 2x one GPU, now that its step is GPU-bound: one GPU
@@ -92,7 +96,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | fp8_output | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_domino | two_gpu_domino_profile | two_gpu_graph_rest | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | fp8_output | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_domino | two_gpu_domino_profile | two_gpu_graph_rest | two_gpu_ce | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -246,6 +250,12 @@ case "$stage" in
     timeout 150 torchrun --nproc-per-node 2 benchmarks/train_throughput.py --one --size 774m --mode megatron_compile \
       --steps 10 --warmup 3 --distopt --full_graph 2>&1 \
       | tee -a "$out/two_gpu_graph_rest.log" ;;
+  two_gpu_ce)
+    L="--one --size 774m --mode megatron_compile --steps 10 --warmup 3 --tp 2 --sp --sp_collectives ce"
+    T="torchrun --nproc-per-node 2 benchmarks/train_throughput.py"
+    { timeout 150 torchrun --nproc-per-node 2 benchmarks/async_tp_probe.py
+      timeout 170 $T $L --full_graph
+      timeout 150 $T $L; } 2>&1 | tee "$out/two_gpu_ce.log" ;;
   full_graph_hf)
     # check 3 where the host counted (350M, 124M): the plugin with the full-iteration graph beside HF + compile
     for size in 350m 124m; do

@@ -180,6 +180,10 @@ def build_step(args):
             import domino_patch
 
             domino_patch.install(args.domino)
+        if args.sp_collectives != "nccl":
+            import ce_collectives_patch
+
+            ce_collectives_patch.install(args.sp_collectives)
 
         from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
 
@@ -281,6 +285,7 @@ def measure(args):
         variant += "".join(f"+{f}" for f in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion",
                                              "tp_comm_overlap", "full_graph") if getattr(args, f))
         variant += f" domino={args.domino}" if args.domino else ""
+        variant += f" sp_collectives={args.sp_collectives}" if args.sp_collectives != "nccl" else ""
     if args.compile_mode and args.mode.endswith("compile"):
         variant += f" mode={args.compile_mode}"
     if args.lora_r:
@@ -319,6 +324,7 @@ def drive(args):
             cmd += ["--manual_gc", str(args.manual_gc)] if args.manual_gc is not None else []
             cmd += ["--cpp_wrapper", args.cpp_wrapper]
             cmd += ["--domino", args.domino] if args.domino else []
+            cmd += ["--sp_collectives", args.sp_collectives]
             cmd += [f"--{flag}" for flag in ("sp", "distopt", "recompute", "fused", "wgrad_fusion", "no_wgrad_fusion",
                                              "tp_comm_overlap", "full_graph") if getattr(args, flag)]
             if args.nproc > 1:
@@ -384,6 +390,9 @@ def parser(description=__doc__.splitlines()[0]):
     p.add_argument("--domino", default="", choices=["", "visible", "halves", "halves_reorder", "halves_sched", "hand"],
                    help="megatron_compile + SP: an experiment (benchmarks/domino_patch.py): each layer runs two "
                         "halves of its batch so that one half's SP collectives run under the other's GEMMs")
+    p.add_argument("--sp_collectives", default="nccl", choices=["nccl", "ce"],
+                   help="megatron_compile + SP: an experiment (benchmarks/ce_collectives_patch.py): 'ce' moves the "
+                        "compiled SP linears' gathers and reduce-scatters with the copy engines instead of NCCL")
     p.add_argument("--distopt", action="store_true")
     p.add_argument("--recompute", action="store_true")
     p.add_argument("--fused", action="store_true", help="megatron: MegatronLMPlugin(fused_kernels=True)")
