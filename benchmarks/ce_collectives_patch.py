@@ -14,6 +14,11 @@ Each op returns a tensor of its own (and waits through the event it registers); 
 buffer the caller made (one local copy of the result, ~15% of the collective's bytes-time: the row understates the
 copy engines by that much). The first (eager) steps size the group's symmetric workspace before the graph's capture,
 which cannot grow it. The all-reduce (TP without SP) stays NCCL's.
+
+    PYTHONPATH=. python benchmarks/ce_collectives_patch.py
+
+checks the routing on CPU (two gloo ranks, TP = 2 + SP, the compiled path's ops run eagerly, the copy-engine ops
+stood in for by gloo's collectives): the plain engine's three losses, every SP collective through the patch.
 """
 
 from __future__ import annotations
@@ -21,6 +26,18 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")  # the lent machines require it (KINDS.md)
+
+
+def _gather_op(x, group_name):
+    import torch
+
+    return torch.ops.symm_mem._low_contention_all_gather(x, group_name)
+
+
+def _scatter_op(x, group_name):
+    import torch
+
+    return torch.ops.symm_mem._low_contention_reduce_scatter(x, "sum", group_name)
 
 
 class _Done:
@@ -46,28 +63,25 @@ class _Dist:
         return getattr(dist, name)
 
     @staticmethod
-    def _name(group):
+    def _name(group, x):
         import torch.distributed as dist
 
         from megatron_plugin.layers import compiled_linear
 
         name = (group or dist.group.WORLD).group_name
-        compiled_linear._symm_mem(name, True)  # enable_symm_mem_for_group, once per group
+        compiled_linear._symm_mem(name, x.is_cuda)  # enable_symm_mem_for_group, once per group
         return name
 
     def all_gather_into_tensor(self, out, x, group=None, async_op=False):
-        import torch
-
-        done = _Done(torch.ops.symm_mem._low_contention_all_gather(x.contiguous(), self._name(group)), out)
+        done = _Done(_gather_op(x.contiguous(), self._name(group, x)), out)
         return done if async_op else done.wait() and None
 
     def reduce_scatter_tensor(self, out, x, op=None, group=None, async_op=False):
-        import torch
         import torch.distributed as dist
 
         if op not in (None, dist.ReduceOp.SUM):
             return dist.reduce_scatter_tensor(out, x, op=op, group=group, async_op=async_op)
-        done = _Done(torch.ops.symm_mem._low_contention_reduce_scatter(x.contiguous(), "sum", self._name(group)), out)
+        done = _Done(_scatter_op(x.contiguous(), self._name(group, x)), out)
         return done if async_op else done.wait() and None
 
 
@@ -80,3 +94,57 @@ def install(mode: str) -> None:
     from megatron_plugin.layers import compiled_linear
 
     compiled_linear.dist = _Dist()
+
+
+def _cpu_run(patched):
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.utils.data import DataLoader
+
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+    from megatron_plugin.layers import linear
+    from tests.models import tiny_gpt2
+    from tests.training import optimizer_for, token_dataset
+
+    calls = {"gathers": 0, "scatters": 0}
+    if patched:
+        global _gather_op, _scatter_op
+
+        def gather(x, name):  # what the copy-engine op returns, by gloo
+            calls["gathers"] += 1
+            pg = _resolve_process_group(name)
+            out = x.new_empty(x.shape[0] * pg.size(), *x.shape[1:])
+            dist.all_gather_into_tensor(out, x, group=pg)
+            return out
+
+        def scatter(x, name):
+            calls["scatters"] += 1
+            pg = _resolve_process_group(name)
+            total = x.clone()
+            dist.all_reduce(total, group=pg)
+            return total.chunk(pg.size())[pg.rank()].clone()
+
+        _gather_op, _scatter_op = gather, scatter
+        install("ce")
+    linear._as_ops = lambda layer: True  # the compiled layers' ops (CUDA, main_grad), eagerly on CPU
+    torch.compiler.is_compiling = lambda: True
+    model = tiny_gpt2()
+    opt = optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=2, sequence_parallelism=True))
+    engine, opt, sched, loader = acc.prepare(
+        model, opt, MegatronLMDummyScheduler(opt, total_num_steps=6, warmup_num_steps=2),
+        DataLoader(token_dataset(16, model.config.vocab_size), batch_size=4))
+    engine.train()
+    return [engine(**batch).loss.item() for batch, _ in zip(loader, range(3))], calls
+
+
+if __name__ == "__main__":
+    os.environ["MP_TEST_FRESH"] = "1"  # the patches stay in their processes
+    from tests.spawn import run_on_ranks
+
+    plain, _ = run_on_ranks(_cpu_run, 2, False)[0]
+    losses, calls = run_on_ranks(_cpu_run, 2, True)[0]
+    print(f"copy-engine routing: losses {losses} (plain {plain}); {calls}")
+    assert max(abs(a - b) for a, b in zip(losses, plain)) < 1e-5, (losses, plain)
+    assert calls["gathers"] and calls["scatters"], calls
