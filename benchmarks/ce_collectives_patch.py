@@ -18,7 +18,8 @@ which cannot grow it. The all-reduce (TP without SP) stays NCCL's.
     PYTHONPATH=. python benchmarks/ce_collectives_patch.py
 
 checks the routing on CPU (two gloo ranks, TP = 2 + SP, the compiled path's ops run eagerly, the copy-engine ops
-stood in for by gloo's collectives): the plain engine's three losses, every SP collective through the patch.
+stood in for by gloo's collectives): the plain engine's three losses, every SP collective through the patch, alone
+and under benchmarks/domino_patch.py's hand-written layer (`--domino hand --sp_collectives ce`).
 """
 
 from __future__ import annotations
@@ -96,7 +97,7 @@ def install(mode: str) -> None:
     compiled_linear.dist = _Dist()
 
 
-def _cpu_run(patched):
+def _cpu_run(patched, domino=""):
     import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
@@ -127,6 +128,10 @@ def _cpu_run(patched):
 
         _gather_op, _scatter_op = gather, scatter
         install("ce")
+    if domino:  # DeepSpeed Domino's layer by hand (benchmarks/domino_patch.py), its collectives through this patch
+        import domino_patch
+
+        domino_patch.install(domino)
     linear._as_ops = lambda layer: True  # the compiled layers' ops (CUDA, main_grad), eagerly on CPU
     torch.compiler.is_compiling = lambda: True
     model = tiny_gpt2()
@@ -144,7 +149,8 @@ if __name__ == "__main__":
     from tests.spawn import run_on_ranks
 
     plain, _ = run_on_ranks(_cpu_run, 2, False)[0]
-    losses, calls = run_on_ranks(_cpu_run, 2, True)[0]
-    print(f"copy-engine routing: losses {losses} (plain {plain}); {calls}")
-    assert max(abs(a - b) for a, b in zip(losses, plain)) < 1e-5, (losses, plain)
-    assert calls["gathers"] and calls["scatters"], calls
+    for domino in ("", "hand"):
+        losses, calls = run_on_ranks(_cpu_run, 2, True, domino)[0]
+        print(f"copy-engine routing{' under Domino' if domino else ''}: losses {losses} (plain {plain}); {calls}")
+        assert max(abs(a - b) for a, b in zip(losses, plain)) < 1e-5, (losses, plain)
+        assert calls["gathers"] and calls["scatters"], calls

@@ -29,8 +29,9 @@ class _Box:
 
 
 def _issue(kind, x, group):
-    import torch.distributed as dist
+    from megatron_plugin.layers import compiled_linear
 
+    dist = compiled_linear.dist  # torch.distributed, or SP's collectives on the copy engines (ce_collectives_patch)
     x = x.contiguous()
     if kind == "gather":
         out = x.new_empty(x.shape[0] * group.size(), *x.shape[1:])

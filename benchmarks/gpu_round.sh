@@ -69,7 +69,9 @@
 #   two_gpu_ce  (nvidia-h200-x2) SP's collectives on the copy engines (benchmarks/ce_collectives_patch.py, an experiment):
 #               first benchmarks/async_tp_probe.py (its last rows: NCCL's gather and reduce-scatter alone against
 #               symmetric memory's copy-engine ops), then TP = 2 + SP at 774M with the graph, the compiled linears'
-#               collectives on the copy engines (against 124,382 tok/s with NCCL), then the same without the graph  ~6 min
+#               collectives on the copy engines (against 124,382 tok/s with NCCL), then DeepSpeed Domino's layer by
+#               hand with its collectives on the copy engines too (taking no SMs, they may now hide under the other
+#               half's GEMMs where NCCL's did not); `two_gpu_ce nograph` runs both rows without the graph  ~8 min
 #   full_graph_hf  (one H200) check 3 where the host counted: 350M and 124M, the plugin with the full-iteration
 #               graph beside HF + compile                                                          ~8 min
 #   two_gpu_dp    (nvidia-h200-x2) where DP = 2 at global 16 loses to 2x one GPU, now that its step is GPU-bound: one GPU
@@ -253,9 +255,10 @@ case "$stage" in
   two_gpu_ce)
     L="--one --size 774m --mode megatron_compile --steps 10 --warmup 3 --tp 2 --sp --sp_collectives ce"
     T="torchrun --nproc-per-node 2 benchmarks/train_throughput.py"
-    { timeout 150 torchrun --nproc-per-node 2 benchmarks/async_tp_probe.py
-      timeout 170 $T $L --full_graph
-      timeout 150 $T $L; } 2>&1 | tee "$out/two_gpu_ce.log" ;;
+    G=$([ "${2:-}" = nograph ] && echo "" || echo "--full_graph")
+    { timeout 120 torchrun --nproc-per-node 2 benchmarks/async_tp_probe.py
+      timeout 170 $T $L $G
+      timeout 170 $T $L $G --domino hand --cpp_wrapper off; } 2>&1 | tee "$out/two_gpu_ce.log" ;;
   full_graph_hf)
     # check 3 where the host counted (350M, 124M): the plugin with the full-iteration graph beside HF + compile
     for size in 350m 124m; do
