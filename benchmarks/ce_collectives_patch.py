@@ -13,7 +13,10 @@ move the bytes faster, or if the backward's asynchronous collectives then overla
 Each op returns a tensor of its own (and waits through the event it registers); the patch copies it into the
 buffer the caller made (one local copy of the result, ~15% of the collective's bytes-time: the row understates the
 copy engines by that much). The first (eager) steps size the group's symmetric workspace before the graph's capture,
-which cannot grow it. The all-reduce (TP without SP) stays NCCL's.
+which cannot grow it; a later, larger layout would replace the workspace under the graph (the benchmark's batches
+are one shape). Not with `tp_comm_overlap`, whose fused ops share the workspace and its barriers on another stream
+(refused). Inputs outside symmetric memory take the ops' workspace path (a local copy in, for the gather). The
+all-reduce (TP without SP) stays NCCL's.
 
     PYTHONPATH=. python benchmarks/ce_collectives_patch.py
 
@@ -42,16 +45,20 @@ def _scatter_op(x, group_name):
 
 
 class _Done:
-    """The work a copy-engine collective hands back: wait, then its result into the caller's buffer."""
+    """The work a copy-engine collective hands back: wait, then its result into the caller's buffer. It holds the
+    input until then: the op reads it on torch's backend stream, and a caller that drops it at once (Domino's layer
+    does) would otherwise hand its block to the next kernel on its own stream while the copy engines still read it
+    (NCCL's process group keeps its inputs the same way)."""
 
-    def __init__(self, result, out):
-        self.result, self.out = result, out
+    def __init__(self, result, out, input):
+        self.result, self.out, self.input = result, out, input
 
     def wait(self):
         import torch
 
         torch.ops._c10d_functional.wait_tensor(self.result)
         self.out.copy_(self.result.view_as(self.out))
+        self.input = None
         return True
 
 
@@ -74,7 +81,8 @@ class _Dist:
         return name
 
     def all_gather_into_tensor(self, out, x, group=None, async_op=False):
-        done = _Done(_gather_op(x.contiguous(), self._name(group, x)), out)
+        x = x.contiguous()
+        done = _Done(_gather_op(x, self._name(group, x)), out, x)
         return done if async_op else done.wait() and None
 
     def reduce_scatter_tensor(self, out, x, op=None, group=None, async_op=False):
@@ -82,7 +90,8 @@ class _Dist:
 
         if op not in (None, dist.ReduceOp.SUM):
             return dist.reduce_scatter_tensor(out, x, op=op, group=group, async_op=async_op)
-        done = _Done(_scatter_op(x.contiguous(), self._name(group, x)), out)
+        x = x.contiguous()
+        done = _Done(_scatter_op(x, self._name(group, x)), out, x)
         return done if async_op else done.wait() and None
 
 

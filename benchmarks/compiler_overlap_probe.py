@@ -134,11 +134,16 @@ def main():
         scatters = [start(F.gelu(wait(g_) @ w1) @ w2, "scatter") for g_ in gathers]
         return torch.cat([t + wait(sc) for t, sc in zip(xs, scatters)], dim=1)
 
+    import torch._inductor.config as inductor_config
+
+    pristine = inductor_config.save_config()  # each way starts from Inductor's defaults: no setting leaks into the next
+
     def knobs(**settings):
         import torch._inductor.config as inductor
 
         def apply():
             torch._dynamo.reset()  # each way compiles anew under its own settings
+            inductor.load_config(pristine)
             for k, v in settings.items():
                 obj, name = inductor, k
                 while "." in name:

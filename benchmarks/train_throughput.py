@@ -181,6 +181,8 @@ def build_step(args):
 
             domino_patch.install(args.domino)
         if args.sp_collectives != "nccl":
+            if args.tp_comm_overlap:  # its fused ops share the copy engines' workspace and barriers on another stream
+                raise SystemExit("--sp_collectives ce with --tp_comm_overlap: choose one")
             import ce_collectives_patch
 
             ce_collectives_patch.install(args.sp_collectives)

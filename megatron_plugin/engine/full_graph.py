@@ -178,10 +178,10 @@ class FullIterationGraph:
         if dist.is_initialized():
             dist.barrier()  # every rank records its collectives in the same step
         torch.cuda.synchronize()
+        stream = self.stream if self.stream is not None else torch.cuda.Stream()
         try:
             # one pool for every layout's graph: they never run at the same time, and results are copied out
-            with torch.cuda.graph(graph, pool=self._pool, stream=self.stream or torch.cuda.Stream(),
-                                  capture_error_mode="thread_local"):
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
                 result = schedule(static)
         except Exception as e:
             raise RuntimeError(
