@@ -148,7 +148,9 @@ def keep_generators(before: dict, tracker) -> None:
     """A graph-safe tracker seeded again (a second `prepare`) makes new generator objects, while an engine's
     captured CUDA graph keeps advancing the ones it registered (engine/full_graph.py): its replays and its eager
     steps would then draw from two streams, the new one repeating the old one's numbers. So each stream keeps
-    its object, re-seeded in place as the new one was (`manual_seed` keeps the state a graph registered)."""
+    its object, re-seeded in place as the new one was (`manual_seed` keeps the state a graph registered). A tracker
+    of the other kind (a second prepare without the graph) holds state tensors: nothing is kept, and an earlier
+    engine's graph draws from generators the tracker no longer reports (nor checkpoints)."""
     states = getattr(tracker, "states_", None) or {}
     for name, new in list(states.items()):
         old = before.get(name)
