@@ -192,6 +192,31 @@ class StepWatch:
         return out
 
 
+def cpu_tp2_sp_losses(compiled_ops: bool, steps: int = 3) -> list:
+    """The CPU checks of the SP experiments (domino_patch, ce_collectives_patch), on each of two gloo ranks: the tiny
+    GPT-2's first `steps` training losses at TP = 2 + SP. `compiled_ops`: the compiled layers' linears
+    (layers/compiled_linear.py, CUDA and main_grad on a GPU) run eagerly here, the path the patches change."""
+    import torch
+    from torch.utils.data import DataLoader
+
+    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
+    from megatron_plugin.layers import linear
+    from tests.models import tiny_gpt2
+    from tests.training import optimizer_for, token_dataset
+
+    if compiled_ops:
+        linear._as_ops = lambda layer: True
+        torch.compiler.is_compiling = lambda: True
+    model = tiny_gpt2()
+    opt = optimizer_for(model)
+    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=2, sequence_parallelism=True))
+    engine, opt, sched, loader = acc.prepare(
+        model, opt, MegatronLMDummyScheduler(opt, total_num_steps=6, warmup_num_steps=2),
+        DataLoader(token_dataset(16, model.config.vocab_size), batch_size=4))
+    engine.train()
+    return [engine(**batch).loss.item() for batch, _ in zip(loader, range(steps))]
+
+
 def captured(fn, warmup=2):
     """(graph, what `fn()` returned while captured): `fn` called `warmup` times on a side stream (compiles,
     communicators, the allocator's blocks in place), then captured as one CUDA graph, in thread-local mode as

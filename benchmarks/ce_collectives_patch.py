@@ -107,15 +107,10 @@ def install(mode: str) -> None:
 
 
 def _cpu_run(patched, domino=""):
-    import torch
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _resolve_process_group
-    from torch.utils.data import DataLoader
 
-    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
-    from megatron_plugin.layers import linear
-    from tests.models import tiny_gpt2
-    from tests.training import optimizer_for, token_dataset
+    from bench_steps import cpu_tp2_sp_losses
 
     calls = {"gathers": 0, "scatters": 0}
     if patched:
@@ -141,16 +136,7 @@ def _cpu_run(patched, domino=""):
         import domino_patch
 
         domino_patch.install(domino)
-    linear._as_ops = lambda layer: True  # the compiled layers' ops (CUDA, main_grad), eagerly on CPU
-    torch.compiler.is_compiling = lambda: True
-    model = tiny_gpt2()
-    opt = optimizer_for(model)
-    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=2, sequence_parallelism=True))
-    engine, opt, sched, loader = acc.prepare(
-        model, opt, MegatronLMDummyScheduler(opt, total_num_steps=6, warmup_num_steps=2),
-        DataLoader(token_dataset(16, model.config.vocab_size), batch_size=4))
-    engine.train()
-    return [engine(**batch).loss.item() for batch, _ in zip(loader, range(3))], calls
+    return cpu_tp2_sp_losses(compiled_ops=True), calls
 
 
 if __name__ == "__main__":

@@ -134,13 +134,11 @@ def main():
         scatters = [start(F.gelu(wait(g_) @ w1) @ w2, "scatter") for g_ in gathers]
         return torch.cat([t + wait(sc) for t, sc in zip(xs, scatters)], dim=1)
 
-    import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor
 
-    pristine = inductor_config.save_config()  # each way starts from Inductor's defaults: no setting leaks into the next
+    pristine = inductor.save_config()  # each way starts from Inductor's defaults: no setting leaks into the next
 
     def knobs(**settings):
-        import torch._inductor.config as inductor
-
         def apply():
             torch._dynamo.reset()  # each way compiles anew under its own settings
             inductor.load_config(pristine)
@@ -157,8 +155,6 @@ def main():
         return apply
 
     def overlap_scheduler_known():
-        import torch._inductor.config as inductor
-
         return hasattr(getattr(inductor, "aten_distributed_optimizations", None), "enable_overlap_scheduling")
 
     default = dict(reorder_for_compute_comm_overlap=False)

@@ -237,19 +237,13 @@ def _hand_forward(layer_forward):
 
 
 def _cpu_run(mode):
-    import torch
     from torch.distributed import _functional_collectives as fc
-    from torch.utils.data import DataLoader
 
-    from megatron_plugin import Accelerator, MegatronLMDummyScheduler, MegatronLMPlugin
-    from tests.models import tiny_gpt2
-    from tests.training import optimizer_for, token_dataset
+    from bench_steps import cpu_tp2_sp_losses
 
     calls = {"gathers": 0, "scatters": 0, "layer calls": 0}
     if mode:
         from megatron.core.transformer.transformer_layer import TransformerLayer
-
-        from megatron_plugin.layers import linear
 
         def counted(fn, key):
             def run(*args, **kwargs):
@@ -264,16 +258,7 @@ def _cpu_run(mode):
                     setattr(fc, name, counted(getattr(fc, name), key))
         TransformerLayer.forward = counted(TransformerLayer.forward, "layer calls")
         install(mode)
-        linear._as_ops = lambda layer: True  # the compiled layers' ops (CUDA, main_grad), eagerly on CPU
-        torch.compiler.is_compiling = lambda: True
-    model = tiny_gpt2()
-    opt = optimizer_for(model)
-    acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=2, sequence_parallelism=True))
-    engine, opt, sched, loader = acc.prepare(
-        model, opt, MegatronLMDummyScheduler(opt, total_num_steps=6, warmup_num_steps=2),
-        DataLoader(token_dataset(16, model.config.vocab_size), batch_size=4))
-    engine.train()
-    return [engine(**batch).loss.item() for batch, _ in zip(loader, range(3))], calls
+    return cpu_tp2_sp_losses(compiled_ops=bool(mode)), calls
 
 
 if __name__ == "__main__":

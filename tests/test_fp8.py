@@ -853,7 +853,6 @@ def test_output_layer_in_fp8_when_asked(world_size, sp):
         assert asked[0]["loss"] == asked[1]["loss"]
 
 
-
 # -- accelerate's mixed_precision="fp8" ---------------------------------------------------------------------
 class TERecipeKwargs:
     """accelerate's TERecipeKwargs by its fields (the real one cannot be built without Transformer Engine)."""
