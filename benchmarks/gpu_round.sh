@@ -74,10 +74,9 @@
 #               half's GEMMs where NCCL's did not); `two_gpu_ce nograph` runs both rows without the graph  ~8 min
 #   x2_finish  (nvidia-h200-x2) the one-GPU checks in one call, a GPU each: the full graph's one-GPU cases with the
 #               re-seeded dropout one (keep_generators) on GPU 0, fp8_output_layer's tests then gpt2_compiled_dropout on
-#               GPU 1; then TP = 2 + SP at 774M with the graph, NCCL against Domino's layer with copy-engine collectives
-#               (125,997 tok/s against 124,382 a session earlier: the same call decides)                   ~8 min
-#   x2_rows    (nvidia-h200-x2) fp8_output's two Llama-1B rows at once, a GPU each (output layer in FP8; every layer
-#               too), then x2_finish's TP = 2 + SP pair (NCCL; Domino's layer on the copy engines)               ~6 min
+#               GPU 1 (all passed, 2026-11-30)                                                             ~5 min
+#   two_gpu_ce_ab (nvidia-h200-x2) TP = 2 + SP at 774M with the graph in one call: NCCL, then Domino's layer with its
+#               collectives on the copy engines (125,997 tok/s against 124,382 a session earlier)          ~4 min
 #   full_graph_hf  (one H200) check 3 where the host counted: 350M and 124M, the plugin with the full-iteration
 #               graph beside HF + compile                                                          ~8 min
 #   two_gpu_dp    (nvidia-h200-x2) where DP = 2 at global 16 loses to 2x one GPU, now that its step is GPU-bound: one GPU
@@ -104,7 +103,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | fp8_output | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_domino | two_gpu_domino_profile | two_gpu_graph_rest | two_gpu_ce | x2_finish | x2_rows | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | fp8_output | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_domino | two_gpu_domino_profile | two_gpu_graph_rest | two_gpu_ce | x2_finish | two_gpu_ce_ab | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -120,6 +119,9 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,temperature.gpu --format=csv
 nvidia-smi dmon -s pc -o T > "$out/${stage}_dmon.log" 2>&1 &
 dmon=$!
 trap 'kill $dmon 2>/dev/null' EXIT
+# the stages' own background jobs; a bare `wait` would wait for dmon too, which never ends (two calls hung to their
+# cap on it, 2026-11-30)
+wait_jobs() { local p; for p in $(jobs -p); do [ "$p" = "$dmon" ] || wait "$p"; done; }
 T="python benchmarks/train_throughput.py"
 case "$stage" in
   fp8_tests)
@@ -180,17 +182,17 @@ case "$stage" in
     CUDA_VISIBLE_DEVICES=1 timeout 320 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt1 "$F[gpt2_eager]" \
       "$F[gpt2_compiled_dropout]" "$F[llama_fp8_delayed_compiled]" "$F[gpt2_fp8_delayed_eager]" "$F[gpt2_fp8_tensorwise_eager]" \
       > "$out/full_graph_tests_gpu1.log" 2>&1
-    wait
+    wait_jobs
     bash "$0" fp8_graph_rows ;;
   fp8_graph)
     F=tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step
     second=$( [ "$(nvidia-smi -L | wc -l)" -gt 1 ] && echo 1 || echo 0 )
     CUDA_VISIBLE_DEVICES=0 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt0 "$F[gpt2_fp8_tensorwise_compiled]" \
       "$F[gpt2_fp8_delayed_eager]" "$F[gpt2_fp8_tensorwise_eager]" > "$out/fp8_graph_tests_gpu0.log" 2>&1 &
-    [ "$second" = 0 ] && wait
+    [ "$second" = 0 ] && wait_jobs
     CUDA_VISIBLE_DEVICES=$second python -m pytest -v -rs --durations 0 --basetemp /tmp/pt1 \
       "$F[llama_fp8_delayed_compiled]" > "$out/fp8_graph_tests_gpu1.log" 2>&1
-    wait
+    wait_jobs
     bash "$0" fp8_graph_rows "" ;;
   fp8_graph_rows)
     # bf16 is GPU-bound at this shape with or without the graph (64k tok/s, 2026-11-30): pass "" to time it too
@@ -273,20 +275,12 @@ case "$stage" in
         tests/gpu/test_fp8_gpu.py -k output_layer
       CUDA_VISIBLE_DEVICES=1 timeout 100 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt2 \
         "$F[gpt2_compiled_dropout]"; } > "$out/x2_finish_gpu1.log" 2>&1
-    wait
-    L="--one --size 774m --mode megatron_compile --steps 10 --warmup 3 --tp 2 --sp --full_graph"
-    T="torchrun --nproc-per-node 2 benchmarks/train_throughput.py"
-    { timeout 150 $T $L
-      timeout 120 $T $L --domino hand --sp_collectives ce --cpp_wrapper off; } 2>&1 | tee "$out/x2_finish_rows.log" ;;
-  x2_rows)
-    R="--sizes llama-1b --seq 2048 --global_batch 8 --num_micro 4 --modes megatron_compile --steps 8 --warmup 3 --full_graph --fp8 hybrid --fp8_recipe tensorwise"
-    CUDA_VISIBLE_DEVICES=0 timeout -k 10 240 $T $R --fp8_output_layer > "$out/x2_rows_fp8_gpu0.log" 2>&1 &
-    CUDA_VISIBLE_DEVICES=1 timeout -k 10 240 $T $R --fp8_output_layer --fp8_all_layers > "$out/x2_rows_fp8_gpu1.log" 2>&1
-    wait
+    wait_jobs ;;
+  two_gpu_ce_ab)
     L="--one --size 774m --mode megatron_compile --steps 10 --warmup 3 --tp 2 --sp --full_graph"
     T="torchrun --nproc-per-node 2 benchmarks/train_throughput.py"
     { timeout -k 10 150 $T $L
-      timeout -k 10 120 $T $L --domino hand --sp_collectives ce --cpp_wrapper off; } 2>&1 | tee "$out/x2_rows_tp.log" ;;
+      timeout -k 10 120 $T $L --domino hand --sp_collectives ce --cpp_wrapper off; } 2>&1 | tee "$out/two_gpu_ce_ab.log" ;;
   full_graph_hf)
     # check 3 where the host counted (350M, 124M): the plugin with the full-iteration graph beside HF + compile
     for size in 350m 124m; do
