@@ -2,7 +2,7 @@
 
 Its answer (two H200s, 2026-11-30, BENCHMARKS.md's eighth call set): the copy engines gather as fast as NCCL
 (1.05x) and reduce-scatter slower (0.84x); the step with them runs 0.98x NCCL's (122,432 tok/s against 124,382),
-and 1.01x under Domino's hand-written layer (125,997, peak memory 57 GiB: the held inputs). No setting.
+and 1.01x under Domino's hand-written layer (125,997; peak memory read 57 GiB, not investigated). No setting.
 
 At GPT-2 774M on two H200s the TP = 2 + SP step with the full-iteration graph is GPU-bound at 131 ms, ~47 ms of it
 in NCCL's all-gathers and reduce-scatters between the GEMMs; every way of hiding them under the GEMMs has measured
