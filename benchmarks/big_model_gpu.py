@@ -47,7 +47,8 @@ def prepare(path):
 
     with init_empty_weights():
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
-    ids = torch.randint(0, 32000, (16, 1024))
+    # the same tokens on every rank: TP ranks must see the same batch (prepare's batch check refuses otherwise)
+    ids = torch.randint(0, 32000, (24, 1024), generator=torch.Generator().manual_seed(0))
     loader = torch.utils.data.DataLoader([{"input_ids": x} for x in ids], batch_size=2, drop_last=True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
     acc = Accelerator(megatron_lm_plugin=MegatronLMPlugin(tp_degree=2, sequence_parallelism=True,

@@ -77,6 +77,10 @@
 #               GPU 1 (all passed, 2026-11-30)                                                             ~5 min
 #   two_gpu_ce_ab (nvidia-h200-x2) TP = 2 + SP at 774M with the graph in one call: NCCL, then Domino's layer with its
 #               collectives on the copy engines (125,997 tok/s against 124,382 a session earlier)          ~4 min
+#   two_gpu_generation (nvidia-h200-x2) issue 12's GPU rows never taken: megatron_generate at TP = 2 (CUDA-graph decode
+#               and eager) and PP = 2 (eager), bf16, batches 1 and 32 (the one-GPU rows are in BENCHMARKS.md)  ~5 min
+#   two_gpu_big_model (nvidia-h200-x2) issue 14's run never taken: a Llama-2-7B-shaped random bf16 checkpoint prepared
+#               without weights at TP = 2 + SP, 5 steps, save_model, prepared again (benchmarks/big_model_gpu.py)  ~8 min
 #   full_graph_hf  (one H200) check 3 where the host counted: 350M and 124M, the plugin with the full-iteration
 #               graph beside HF + compile                                                          ~8 min
 #   two_gpu_dp    (nvidia-h200-x2) where DP = 2 at global 16 loses to 2x one GPU, now that its step is GPU-bound: one GPU
@@ -103,7 +107,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | fp8_output | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_domino | two_gpu_domino_profile | two_gpu_graph_rest | two_gpu_ce | x2_finish | two_gpu_ce_ab | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | fp8_output | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_domino | two_gpu_domino_profile | two_gpu_graph_rest | two_gpu_ce | x2_finish | two_gpu_ce_ab | two_gpu_generation | two_gpu_big_model | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -281,6 +285,13 @@ case "$stage" in
     T="torchrun --nproc-per-node 2 benchmarks/train_throughput.py"
     { timeout -k 10 150 $T $L
       timeout -k 10 120 $T $L --domino hand --sp_collectives ce --cpp_wrapper off; } 2>&1 | tee "$out/two_gpu_ce_ab.log" ;;
+  two_gpu_generation)
+    G="python benchmarks/generate_throughput.py --dtypes bf16 --batches 1,32 --repeat 2"
+    { timeout -k 10 240 $G --nproc 2 --tp 2 --modes megatron,megatron_eager
+      timeout -k 10 200 $G --nproc 2 --pp 2 --modes megatron_eager; } 2>&1 | tee "$out/two_gpu_generation.log" ;;
+  two_gpu_big_model)
+    df -h /tmp | tee "$out/two_gpu_big_model.log"
+    timeout -k 10 540 python benchmarks/big_model_gpu.py --workdir /tmp/big 2>&1 | tee -a "$out/two_gpu_big_model.log" ;;
   full_graph_hf)
     # check 3 where the host counted (350M, 124M): the plugin with the full-iteration graph beside HF + compile
     for size in 350m 124m; do
