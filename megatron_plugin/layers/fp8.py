@@ -70,6 +70,7 @@ from typing import Iterable, List, Optional, Tuple
 
 import torch
 
+from ..errors import MegatronPluginConfigError
 from .compiled_linear import accumulate_wgrad, define_op, into_main_grad
 
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
@@ -527,8 +528,6 @@ def check_output_layer(rows: int, cols: int) -> None:
     """`fp8_output_layer` on an output-layer weight shard of `rows` x `cols`: refused by name where `fits_fp8` would
     keep it bf16. resolve asks it from the model's sizes before any process group, so that no pipeline stage is
     left waiting for the last one's error."""
-    from ..errors import MegatronPluginConfigError
-
     if not _dims_fit(rows, cols):
         raise MegatronPluginConfigError(
             "fp8_output_layer", True, f"the output layer's weight shard is {rows} x {cols}; FP8 GEMMs need both "
@@ -546,8 +545,6 @@ def _attach_output_layer(module, recipe: "FP8Recipe") -> List[str]:
     if weight is None and getattr(module, "share_embeddings_and_output_weights", False):
         weight = module.shared_embedding_or_output_weight()
     if weight is None or not _ours(out):
-        from ..errors import MegatronPluginConfigError
-
         raise MegatronPluginConfigError(
             "fp8_output_layer", True, "the output layer is not megatron_plugin's linear (a custom_model_provider_"
             "function's module: build it with megatron_plugin's models), so it cannot run in FP8: leave it False")
@@ -564,8 +561,6 @@ def attach_fp8(modules: Iterable[torch.nn.Module], plugin) -> List[str]:
     if not getattr(plugin, "fp8", None):
         return []
     from megatron.core.models.gpt import GPTModel
-
-    from ..errors import MegatronPluginConfigError
 
     recipe = FP8Recipe.from_plugin(plugin)
     names = []
