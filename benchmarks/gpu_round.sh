@@ -72,9 +72,6 @@
 #               collectives on the copy engines (against 124,382 tok/s with NCCL), then DeepSpeed Domino's layer by
 #               hand with its collectives on the copy engines too (taking no SMs, they may now hide under the other
 #               half's GEMMs where NCCL's did not); `two_gpu_ce nograph` runs both rows without the graph  ~8 min
-#   x2_finish  (nvidia-h200-x2) the one-GPU checks in one call, a GPU each: the full graph's one-GPU cases with the
-#               re-seeded dropout one (keep_generators) on GPU 0, fp8_output_layer's tests then gpt2_compiled_dropout on
-#               GPU 1 (all passed, 2026-11-30)                                                             ~5 min
 #   two_gpu_ce_ab (nvidia-h200-x2) TP = 2 + SP at 774M with the graph in one call: NCCL, then Domino's layer with its
 #               collectives on the copy engines (125,997 tok/s against 124,382 a session earlier)          ~4 min
 #   two_gpu_generation (nvidia-h200-x2) issue 12's GPU rows never taken: megatron_generate at TP = 2 (CUDA-graph decode
@@ -107,7 +104,7 @@
 # Every stage logs the GPU's power and clocks each second ($OUT/<stage>_dmon.log).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | fp8_output | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_domino | two_gpu_domino_profile | two_gpu_graph_rest | two_gpu_ce | x2_finish | two_gpu_ce_ab | two_gpu_generation | two_gpu_big_model | two_gpu_tests"}
+stage=${1:?"stage: fp8_tests | fp8_llama | fp8_llama_mb1 | fp8_1p5b | fp8_profile | fp8_wrappers | fp8_parity | steady | steady_gc | steady_pin | steady_graphs | two_gpu_rows | full_graph_tests | two_gpu_full_graph | full_graph_hf | two_gpu_dp | two_gpu_tp | two_gpu_profiles | two_gpu_graphs | two_gpu_nccl | two_gpu_nccl_env | full_graph_tests_x2 | fp8_graph | fp8_graph_rows | fp8_output | dropout_tests | two_gpu_tp_graph | two_gpu_overlap | two_gpu_domino | two_gpu_domino_profile | two_gpu_graph_rest | two_gpu_ce | two_gpu_ce_ab | two_gpu_generation | two_gpu_big_model | two_gpu_tests"}
 out=${OUT:-/tmp/gpu_round}
 mkdir -p "$out"
 if ls .whl/*.whl >/dev/null 2>&1; then
@@ -182,7 +179,8 @@ case "$stage" in
     F=tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step
     # each capped: a failed capture can leave a pooled test worker hanging (2026-11-30)
     CUDA_VISIBLE_DEVICES=0 timeout 320 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt0 "$F[gpt2_compiled]" \
-      "$F[llama_compiled]" "$F[gpt2_fp8_tensorwise_compiled]" > "$out/full_graph_tests_gpu0.log" 2>&1 &
+      "$F[llama_compiled]" "$F[gpt2_fp8_tensorwise_compiled]" "$F[gpt2_compiled_dropout_reseeded]" \
+      > "$out/full_graph_tests_gpu0.log" 2>&1 &
     CUDA_VISIBLE_DEVICES=1 timeout 320 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt1 "$F[gpt2_eager]" \
       "$F[gpt2_compiled_dropout]" "$F[llama_fp8_delayed_compiled]" "$F[gpt2_fp8_delayed_eager]" "$F[gpt2_fp8_tensorwise_eager]" \
       > "$out/full_graph_tests_gpu1.log" 2>&1
@@ -271,15 +269,6 @@ case "$stage" in
     { timeout 120 torchrun --nproc-per-node 2 benchmarks/async_tp_probe.py
       timeout 170 $T $L $G
       timeout 170 $T $L $G --domino hand --cpp_wrapper off; } 2>&1 | tee "$out/two_gpu_ce.log" ;;
-  x2_finish)
-    F=tests/gpu/test_full_graph_gpu.py::test_full_iteration_graph_trains_as_the_eager_step
-    CUDA_VISIBLE_DEVICES=0 timeout 300 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt0 \
-      "$F[gpt2_compiled_dropout_reseeded]" "$F[gpt2_compiled]" "$F[llama_compiled]" > "$out/x2_finish_gpu0.log" 2>&1 &
-    { CUDA_VISIBLE_DEVICES=1 timeout 200 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt1 \
-        tests/gpu/test_fp8_gpu.py -k output_layer
-      CUDA_VISIBLE_DEVICES=1 timeout 100 python -m pytest -v -rs --durations 0 --basetemp /tmp/pt2 \
-        "$F[gpt2_compiled_dropout]"; } > "$out/x2_finish_gpu1.log" 2>&1
-    wait_jobs ;;
   two_gpu_ce_ab)
     L="--one --size 774m --mode megatron_compile --steps 10 --warmup 3 --tp 2 --sp --full_graph"
     T="torchrun --nproc-per-node 2 benchmarks/train_throughput.py"
